@@ -1,0 +1,214 @@
+"""Model configuration: one dataclass for the dense decoder family, read from HF `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that ahead cannot run, with the reason and the file."""
+
+
+# model_type -> how the family differs from plain Llama.
+_FAMILIES = {
+    "llama": {"qkv_bias": None, "qk_norm": False},  # None: read attention_bias
+    "mistral": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "mimo": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": None, "qk_norm": True},
+}
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MTP_NAMINGS = ("deepseek", "mimo", "mtp")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    family: str = "llama"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    num_mtp_modules: int = 0
+    mtp_layers_per_module: int = 1
+    mtp_naming: str = "deepseek"  # which checkpoint naming the MTP modules follow (see weights.py)
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // max(self.num_heads, 1)
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "head_dim", "max_position_embeddings", "mtp_layers_per_module")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_mtp_modules < 0:
+            raise ConfigError(f"number of MTP modules must be >= 0, got {self.num_mtp_modules}")
+        if self.mtp_naming not in MTP_NAMINGS:
+            raise ConfigError(f"unknown MTP naming {self.mtp_naming!r}")
+        if self.mtp_naming == "mtp" and self.num_mtp_modules > 1:
+            raise ConfigError("the `mtp.*` naming holds one MTP module (of several layers)")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in _ROPE_TYPES:
+            raise ConfigError(f"rope scaling {rope_type!r} is not supported; supported: "
+                              f"{', '.join(_ROPE_TYPES)}")
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config dict (transformers 4.x or 5.x layout)."""
+        model_type = raw.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
+                              f"{', '.join(sorted(_FAMILIES))}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
+            raise ConfigError("sliding-window attention is not supported")
+        traits = _FAMILIES[model_type]
+        try:
+            heads = int(raw["num_attention_heads"])
+            bias = bool(raw.get("attention_bias", False))
+            eos = raw.get("eos_token_id")
+            return cls(
+                family=model_type,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or 0),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(raw),
+                rope_scaling=_rope_scaling(raw),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                qkv_bias=bias if traits["qkv_bias"] is None else bool(traits["qkv_bias"]),
+                o_bias=bias and model_type == "llama",
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                qk_norm=bool(traits["qk_norm"]),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                num_mtp_modules=_num_mtp(raw),
+                mtp_naming="mtp" if raw.get("mtp_num_hidden_layers") else
+                           "mimo" if model_type == "mimo" else "deepseek",
+                mtp_layers_per_module=int(raw.get("mtp_num_hidden_layers") or 1),
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            )
+        except KeyError as e:
+            raise ConfigError(f"missing required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"bad value: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not readable JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        try:
+            return cls.from_hf(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that both ahead and transformers read back."""
+        raw: dict[str, Any] = {
+            "architectures": [_ARCH[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "float32",
+        }
+        if self.eos_token_ids:
+            raw["eos_token_id"] = list(self.eos_token_ids)
+        if self.num_mtp_modules and self.mtp_naming == "mtp":
+            raw["mtp_num_hidden_layers"] = self.mtp_layers_per_module
+        elif self.num_mtp_modules:
+            raw["num_nextn_predict_layers"] = self.num_mtp_modules
+        return raw
+
+    def with_(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "mimo": "MiMoForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or {}
+    return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 5 folds scaling into `rope_parameters`; 4.x used `rope_scaling`."""
+    scaling = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
+    if rope_type == "default":
+        return None
+    scaling["rope_type"] = rope_type
+    return scaling
+
+
+def _num_mtp(raw: dict[str, Any]) -> int:
+    if raw.get("num_nextn_predict_layers"):
+        return int(raw["num_nextn_predict_layers"])
+    return 1 if raw.get("mtp_num_hidden_layers") else 0
+
+
+# Tiny named presets for tests and benchmarks (gpt-fast's idea).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-llama": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                              num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_modules=1,
+                              max_position_embeddings=1024),
+    "tiny-qwen2": ModelConfig(family="qwen2", vocab_size=512, hidden_size=64, intermediate_size=160,
+                              num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                              num_mtp_modules=1, tie_word_embeddings=True,
+                              max_position_embeddings=1024),
+    "tiny-qwen3": ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                              num_layers=3, num_heads=4, num_kv_heads=1, head_dim=32, qk_norm=True,
+                              num_mtp_modules=2, max_position_embeddings=1024),
+}

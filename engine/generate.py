@@ -1,0 +1,220 @@
+"""Generation: the step loop with stops, streaming text, the K policy and cancellation.
+
+`Engine.start()` returns a `Generation`, an iterator whose every `next()` runs one step (the
+prefill, then one verify+draft step) and returns what it committed. A caller cancels by not
+asking for the next step: the cache is consistent after every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.model import Transformer
+from engine.policy import KPolicy, TextKind, classify
+from engine.runner import Runner, Sampler
+from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.weights import load_model
+
+
+@dataclass(slots=True)
+class GenParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    k: int | None = None  # None: adaptive; an int: that many drafts every step
+    speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k is not None and self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+
+
+@dataclass(slots=True)
+class Step:
+    tokens: list[int]  # committed this step, after stop handling
+    text: str  # new complete text
+    k: int  # drafts verified (0 for the prefill and autoregressive steps)
+    accepted: int
+
+
+@dataclass(slots=True)
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    k_hist: Counter[int] = field(default_factory=Counter)
+    accepted_by_pos: list[int] = field(default_factory=list)  # drafts accepted at position i
+    verified_by_pos: list[int] = field(default_factory=list)  # drafts reached at position i
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class Engine:
+    """A loaded model with its tokenizer, runner state and K policy (one sequence at a time)."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_seq_len: int = 4096,
+                 k_max: int = 8) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
+        self.runner = Runner(model, max_seq_len, k_max)
+        self.k_max = self.runner.k_max
+        self.policy = KPolicy(self.k_max, self.measure_costs())
+        self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, device: str = "cpu",
+             dtype: torch.dtype = torch.float32, **kw: int) -> Engine:
+        model = load_model(model_dir, device=device, dtype=dtype)
+        return cls(model, Tokenizer.from_dir(model_dir), **kw)
+
+    def start(self, prompt: list[int], params: GenParams | None = None) -> Generation:
+        return Generation(self, prompt, params or GenParams())
+
+    def generate(self, prompt: list[int], params: GenParams | None = None, *,
+                 on_step: Callable[[Step], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Generation:
+        gen = self.start(prompt, params)
+        for step in gen:
+            if on_step:
+                on_step(step)
+            if cancelled and cancelled():
+                gen.finish("cancelled")
+                break
+        return gen
+
+    def measure_costs(self, reps: int = 3) -> list[float]:
+        """Seconds per step for each K: verify of K+1 tokens plus K draft steps (median)."""
+        if self.k_max == 0:
+            return [1.0]
+        r, greedy = self.runner, Sampler(0.0, 1.0, 0, self.runner.device)
+        warm = [1] * 16
+        costs = []
+        for k in range(self.k_max + 1):
+            times = []
+            for _ in range(reps + 1):
+                r.reset()
+                r.prefill(warm, greedy, use_mtp=True)
+                t0 = time.perf_counter()
+                r.draft(k, greedy)
+                r.verify(greedy, use_mtp=True)
+                times.append(time.perf_counter() - t0)
+            costs.append(sorted(times[1:])[len(times[1:]) // 2])
+        r.reset()
+        return costs
+
+
+class Generation(Iterator[Step]):
+    def __init__(self, engine: Engine, prompt: list[int], params: GenParams) -> None:
+        self.engine, self.prompt, self.params = engine, list(prompt), params
+        self.sampler = Sampler(params.temperature, params.top_p, params.seed, engine.runner.device)
+        self.use_mtp = params.speculative and engine.k_max > 0
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self._decoder = StreamDecoder(engine.tokenizer)
+        self._tail = engine.tokenizer.decode(prompt[-64:])  # recent text, for the kind of text
+        self._kind = TextKind.CODE
+        self._started = False
+        self._held = ""  # text that may begin a stop string, not yet returned
+        self._draft_s = 0.0
+
+    def __next__(self) -> Step:
+        if self.finish_reason is not None:
+            raise StopIteration
+        r, t0 = self.engine.runner, time.perf_counter()
+        if not self._started:
+            self._started = True
+            first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler,
+                                                        use_mtp=self.use_mtp)
+            self.stats.prefill_s = time.perf_counter() - t0
+            step = self._commit([first], k=0, accepted=0)
+        else:
+            k = r.num_drafts
+            new = r.verify(self.sampler, use_mtp=self.use_mtp)
+            seconds = time.perf_counter() - t0 + self._draft_s
+            self._record(k, len(new) - 1, seconds)
+            step = self._commit(new, k=k, accepted=len(new) - 1)
+            self.stats.decode_s += time.perf_counter() - t0 + self._draft_s
+        if self.finish_reason is None:
+            self._draft_next()
+        return step
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def _draft_next(self) -> None:
+        t0, r = time.perf_counter(), self.engine.runner
+        k = 0
+        if self.use_mtp:
+            k = self.params.k if self.params.k is not None else self.engine.policy.choose(self._kind)
+            room = r.max_seq_len - r.length - 2
+            k = max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
+                           room))
+        r.draft(k, self.sampler)
+        self._draft_s = time.perf_counter() - t0
+
+    def _record(self, k: int, accepted: int, seconds: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.drafted += k
+        s.accepted += accepted
+        s.k_hist[k] += 1
+        while len(s.verified_by_pos) < k:
+            s.verified_by_pos.append(0)
+            s.accepted_by_pos.append(0)
+        for i in range(min(accepted + 1, k)):
+            s.verified_by_pos[i] += 1
+            s.accepted_by_pos[i] += i < accepted
+        if self.use_mtp and self.params.k is None:
+            self.engine.policy.observe(self._kind, k, accepted, seconds)
+
+    def _commit(self, new: list[int], *, k: int, accepted: int) -> Step:
+        """Append tokens up to a stop token or the token limit, then apply stop strings."""
+        kept: list[int] = []
+        for tok in new:
+            if tok in self.engine.stop_ids:
+                self.finish("stop")
+                break
+            kept.append(tok)
+            if len(self.tokens) + len(kept) >= self.params.max_new_tokens:
+                self.finish("length")
+                break
+        self.tokens.extend(kept)
+        text = self._decoder.push_many(kept)
+        if self.finish_reason is not None:
+            text += self._decoder.flush()
+        text = self._apply_stop_strings(text)
+        self.text += text
+        self._tail = (self._tail + text)[-256:]
+        self._kind = classify(self._tail)
+        return Step(kept, text, k, accepted)
+
+    def _apply_stop_strings(self, text: str) -> str:
+        """Cut at the first stop string; hold back a tail that may be the start of one."""
+        stops = self.params.stop
+        if not stops:
+            return text
+        buf, self._held = self._held + text, ""
+        hits = [i for s in stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self.finish("stop")
+            return buf[:min(hits)]
+        if self.finish_reason is not None:
+            return buf
+        hold = max((j for s in stops for j in range(1, len(s)) if buf.endswith(s[:j])), default=0)
+        self._held = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold]

@@ -1,0 +1,102 @@
+"""The dense decoder trunk with DeepSeek-V3-style MTP modules, sharing embedding and head.
+
+An MTP module turns the trunk's hidden state at position t and the embedding of token t+1
+into a hidden state that predicts token t+2:
+    h' = Block(Proj([enorm(emb(x_{t+1})); hnorm(h_t)]))      logits = head(norm(h'))
+MiMo checkpoints concatenate in the other order. Draft k > 1 feeds the previous draft's h'
+(pre-norm for DeepSeek, normed for MiMo and Qwen3-Next: the conventions their servers use).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import ModelConfig
+from engine.layers import DecoderBlock, LayerKV, RMSNorm, rope_tables
+
+Rope = tuple[Tensor, Tensor]
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.mtp_layers_per_module))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_first = cfg.mtp_naming == "mimo"
+
+    def forward(self, h: Tensor, emb: Tensor, rope: Rope, input_pos: Tensor,
+                kvs: list[LayerKV] | None, mask: Tensor | None) -> Tensor:
+        e, hn = self.enorm(emb), self.hnorm(h)
+        x = self.eh_proj(torch.cat([hn, e] if self.hidden_first else [e, hn], dim=-1))  # [B, S, H]
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, input_pos, None if kvs is None else kvs[i], mask)
+        return x
+
+
+class TrunkModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = TrunkModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
+        self.chain_normed = cfg.mtp_naming in ("mimo", "mtp")
+
+    @property
+    def num_mtp(self) -> int:
+        return len(self.mtp)
+
+    def head(self, h: Tensor) -> Tensor:
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(h, w)
+
+    def trunk(self, tokens: Tensor, rope: Rope, input_pos: Tensor,
+              kvs: list[LayerKV] | None = None, mask: Tensor | None = None) -> Tensor:
+        """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, input_pos, None if kvs is None else kvs[i], mask)
+        return self.model.norm(x)
+
+    def mtp_forward(self, i: int, h: Tensor, next_tokens: Tensor, rope: Rope, input_pos: Tensor,
+                    kvs: list[LayerKV] | None = None, mask: Tensor | None = None) -> Tensor:
+        """Module i's pre-norm output [B, S, H] from hidden h_t and token x_{t+1}."""
+        return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, input_pos, kvs, mask)
+
+    def mtp_logits(self, i: int, out: Tensor) -> Tensor:
+        return self.head(self.mtp[i].norm(out))
+
+    def chain_hidden(self, i: int, out: Tensor) -> Tensor:
+        """What the next draft step receives as its hidden state."""
+        return self.mtp[i].norm(out) if self.chain_normed else out
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """Full-sequence forward without a cache (training and references).
+
+        Returns trunk logits [B, S, V] and, per MTP module i, logits [B, S-1, V] where row t
+        predicts token t+2 from (h_t, x_{t+1}): DeepSeek-V3's depth-1 objective for each module.
+        """
+        seqlen = tokens.shape[1]
+        rope = rope_tables(self.cfg, seqlen, tokens.device, self.model.embed_tokens.weight.dtype)
+        pos = torch.arange(seqlen, device=tokens.device)
+        h = self.trunk(tokens, rope, pos)
+        short = (rope[0][: seqlen - 1], rope[1][: seqlen - 1])
+        mtp_logits = [
+            self.mtp_logits(i, self.mtp_forward(i, h[:, :-1], tokens[:, 1:], short, pos[:-1]))
+            for i in range(self.num_mtp)
+        ]
+        return self.head(h), mtp_logits

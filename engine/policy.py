@@ -1,0 +1,96 @@
+"""Choosing K, the number of drafts per step, from measured acceptance and measured cost.
+
+With a_i the probability that draft i is accepted given drafts < i were, one step with K drafts
+yields E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j tokens and costs c(K) seconds; we pick the K with
+the highest E(K) / c(K). Acceptance differs by kind of text (code drafts well, prose and
+comments less), so the a_i are kept per kind.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class TextKind(StrEnum):
+    CODE = "code"
+    COMMENT = "comment"
+    STRING = "string"
+
+
+def classify(tail: str) -> TextKind:
+    """The kind of text at the end of `tail` (a window of recent text), for Python/C-like code."""
+    parts = tail.split('"""')
+    if len(parts) % 2 == 0:  # an odd number of triple quotes: inside a docstring
+        return TextKind.STRING
+    line = parts[-1].rsplit("\n", 1)[-1]
+    quote: str | None = None
+    i = 0
+    while i < len(line):
+        ch = line[i]
+        if quote:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" or line.startswith("//", i):
+            return TextKind.COMMENT
+        i += 1
+    return TextKind.STRING if quote else TextKind.CODE
+
+
+class KPolicy:
+    """Per-kind, per-position acceptance averages and a per-K cost table."""
+
+    def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.1,
+                 prior: float = 0.6, probe_every: int = 8) -> None:
+        if len(costs) != k_max + 1 or min(costs) <= 0:
+            raise ValueError(f"need {k_max + 1} positive step costs, got {costs}")
+        self.k_max = k_max
+        self.costs = list(costs)
+        self.decay = decay
+        self.prior = prior
+        self.probe_every = probe_every
+        # None until a position has been measured; it then reads as the position before it,
+        # so one good observation at position i lifts the estimate for i+1, i+2, ... too.
+        self.accept: dict[TextKind, list[float | None]] = {kind: [None] * k_max
+                                                           for kind in TextKind}
+        self.steps = 0
+
+    def rates(self, kind: TextKind) -> list[float]:
+        """Conditional acceptance estimate per draft position."""
+        out, last = [], self.prior
+        for a in self.accept[kind]:
+            last = last if a is None else a
+            out.append(last)
+        return out
+
+    def expected_tokens(self, kind: TextKind, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.rates(kind)[:k]:
+            run *= a
+            total += run
+        return total
+
+    def best(self, kind: TextKind) -> int:
+        rates = [self.expected_tokens(kind, k) / self.costs[k] for k in range(self.k_max + 1)]
+        return max(range(self.k_max + 1), key=rates.__getitem__)
+
+    def choose(self, kind: TextKind) -> int:
+        """The best K, except every `probe_every` steps one more, so positions past the
+        current best keep being measured and a drop to K = 0 is not forever."""
+        self.steps += 1
+        k = self.best(kind)
+        if self.probe_every and self.steps % self.probe_every == 0:
+            k = min(k + 1, self.k_max)
+        return k
+
+    def observe(self, kind: TextKind, k: int, accepted: int, seconds: float | None = None) -> None:
+        """Record a step that verified k drafts and accepted `accepted` of them."""
+        acc, rates = self.accept[kind], self.rates(kind)
+        # Position i is observed only when drafts < i were all accepted.
+        for i in range(min(accepted + 1, k)):
+            acc[i] = rates[i] + self.decay * ((1.0 if i < accepted else 0.0) - rates[i])
+        if seconds is not None and seconds > 0:
+            self.costs[k] += self.decay * (seconds - self.costs[k])

@@ -1,0 +1,78 @@
+"""Small checkpoints made on the spot: for tests, benchmarks and trying ahead without a model.
+
+`write_checkpoint` writes a complete model directory (config.json, safetensors, tokenizer.json)
+for a preset, with random weights or briefly trained on a low-entropy synthetic language in
+which the MTP modules have something to predict, so acceptance is neither 0 nor 1.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from engine.config import PRESETS, ModelConfig
+from engine.losses import lm_losses
+from engine.model import Transformer
+from engine.tokenizer import save_tokenizer_dir, train_byte_level_bpe
+from engine.weights import save_model
+
+
+def stdlib_texts(limit: int = 40) -> list[str]:
+    """Python source that ships with the interpreter: a corpus every machine has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))[:limit]
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def markov_batch(vocab: list[int], bsz: int, seqlen: int, gen: torch.Generator,
+                 table: torch.Tensor, p_follow: float) -> torch.Tensor:
+    """Sequences where each token is followed by its table successor with prob p_follow."""
+    out = torch.empty(bsz, seqlen, dtype=torch.long)
+    cur = torch.randint(len(vocab), (bsz,), generator=gen)
+    for t in range(seqlen):
+        out[:, t] = cur
+        follow = torch.rand(bsz, generator=gen) < p_follow
+        cur = torch.where(follow, table[cur], torch.randint(len(vocab), (bsz,), generator=gen))
+    return torch.tensor(vocab)[out]
+
+
+def train_markov(model: Transformer, vocab: list[int], *, steps: int, seed: int = 0,
+                 p_follow: float = 0.85, lr: float = 3e-3) -> list[float]:
+    """A few hundred optimiser steps: enough for trunk and modules to learn the chain."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(len(vocab), generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        batch = markov_batch(vocab, 16, 48, gen, table, p_follow)
+        loss, _, _ = lm_losses(model, batch, mtp_weight=1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def write_checkpoint(path: str | Path, preset: str = "tiny-qwen3", *, seed: int = 0,
+                     train_steps: int = 0, mtp_naming: str = "deepseek",
+                     vocab_size: int = 512, **overrides: object) -> ModelConfig:
+    """Write a model directory; `train_steps` > 0 trains it on the synthetic chain first."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    path = Path(path)
+    tok = train_byte_level_bpe(stdlib_texts(), vocab_size)
+    save_tokenizer_dir(tok, path)
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = PRESETS[preset].with_(vocab_size=tok.get_vocab_size(), eos_token_ids=(eos,),
+                                mtp_naming=mtp_naming, **overrides)
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    if train_steps:
+        specials = set(tok.get_added_tokens_decoder())
+        vocab = [i for i in range(300, cfg.vocab_size) if i not in specials][:96]
+        train_markov(model, vocab, steps=train_steps, seed=seed)
+    save_model(model.eval(), path)
+    return cfg

@@ -1,0 +1,205 @@
+"""Checkpoint loading and saving: safetensors (single or sharded), HF names, three MTP namings.
+
+Every tensor name is validated against the model before a byte is loaded, so a bad checkpoint
+fails with the file and tensor named and nothing half-loaded ever reaches the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.model import Transformer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded, naming the file and tensor at fault."""
+
+
+# Per-module parameter names that differ between namings: ours -> theirs.
+_MODULE_NAMES = {
+    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"},
+    "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+             "norm": "final_layernorm"},
+    "mtp": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+            "norm": "norm"},
+}
+# Copies of the shared embedding and head that some DeepSeek-style checkpoints store per module.
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _module_prefix(naming: str, cfg: ModelConfig, i: int) -> str:
+    if naming == "deepseek":
+        return f"model.layers.{cfg.num_layers + i}."
+    if naming == "mimo":
+        return f"model.mtp_layers.{i}."
+    return "mtp."
+
+
+def to_checkpoint_name(name: str, cfg: ModelConfig) -> str:
+    """Our parameter name -> the checkpoint's, for the config's MTP naming."""
+    m = re.match(r"mtp\.(\d+)\.(.+)", name)
+    if not m:
+        return name
+    i, rest = int(m.group(1)), m.group(2)
+    naming = cfg.mtp_naming
+    prefix = _module_prefix(naming, cfg, i)
+    if rest.startswith("blocks."):
+        j, tail = rest[len("blocks."):].split(".", 1)
+        return prefix + (f"layers.{j}.{tail}" if naming == "mtp" else tail)
+    part, leaf = rest.rsplit(".", 1)
+    return f"{prefix}{_MODULE_NAMES[naming][part]}.{leaf}"
+
+
+def detect_mtp_naming(names: Iterable[str], cfg: ModelConfig) -> str | None:
+    names = list(names)
+    if any(n.startswith("model.mtp_layers.") for n in names):
+        return "mimo"
+    if any(n.startswith("mtp.") for n in names):
+        return "mtp"
+    extra = re.compile(r"model\.layers\.(\d+)\.")
+    if any((m := extra.match(n)) and int(m.group(1)) >= cfg.num_layers for n in names):
+        return "deepseek"
+    return None
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, from a sharded index or the single model.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index: {e}") from None
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    out: dict[str, Path] = {}
+    for f in files:  # several loose files (a heads-only file beside the trunk, say)
+        out.update(dict.fromkeys(read_header(f), f))
+    return out
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The safetensors header, checked against the file's size (catches truncation)."""
+    try:
+        with path.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100_000_000:
+                raise CheckpointError(f"{path}: header length {n} is not plausible")
+            header = json.loads(fh.read(n))
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    except (OSError, struct.error, ValueError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    for name, info in header.items():
+        end = 8 + n + info["data_offsets"][1]
+        if end > size:
+            raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {end}, "
+                                  f"file has {size}")
+    return header
+
+
+def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build the model from config.json + safetensors, straight onto `device` in `dtype`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    files = checkpoint_files(model_dir)
+    naming = detect_mtp_naming(files, cfg)
+    if naming is not None:
+        cfg = cfg.with_(mtp_naming=naming)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {to_checkpoint_name(n, cfg): (n, tuple(p.shape))
+                for n, p in model.state_dict().items()}
+    _check_names(expected, files, cfg, model_dir)
+    state = _read_tensors(expected, files, torch.device(device), dtype)
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval()
+
+
+def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
+                 cfg: ModelConfig, model_dir: Path) -> None:
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [n for n in files if n not in expected and n not in ignorable
+                  and not (cfg.mtp_naming == "deepseek" and n.endswith(_SHARED_COPIES))
+                  and not n.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    missing = [n for n in expected if n not in files]
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    headers: dict[Path, dict[str, dict]] = {}
+    for name, (_, shape) in expected.items():
+        f = files[name]
+        if f not in headers:
+            headers[f] = read_header(f)
+        if name not in headers[f]:
+            raise CheckpointError(f"{f}: tensor {name!r} is listed in the index but not in the file")
+        got = tuple(headers[f][name]["shape"])
+        if got != shape:
+            raise CheckpointError(f"{f}: tensor {name!r} has shape {list(got)}, "
+                                  f"expected {list(shape)}")
+
+
+def _read_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
+                  device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    for f, names in by_file.items():
+        try:
+            with safe_open(str(f), framework="pt", device=str(device)) as st:
+                for name in names:
+                    state[expected[name][0]] = st.get_tensor(name).to(dtype)
+        except Exception as e:  # safetensors raises its own error types; name the file
+            raise CheckpointError(f"{f}: cannot read tensors: {e}") from None
+    return state
+
+
+def save_model(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """Write config.json and safetensors in HF layout (sharded with an index if asked)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    tensors = {to_checkpoint_name(n, cfg): t.detach().to(dtype or t.dtype).contiguous().cpu()
+               for n, t in model.state_dict().items()}
+    if max_shard_bytes is None:
+        save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
