@@ -13,14 +13,18 @@ class ConfigError(ValueError):
 
 
 # model_type -> how the family differs from plain Llama.
-_FAMILIES = {
+_FAMILIES: dict[str, dict[str, bool | None]] = {
     "llama": {"qkv_bias": None, "qk_norm": False},  # None: read attention_bias
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "mimo": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": None, "qk_norm": True},
 }
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope type -> the settings it cannot do without
+_ROPE_REQUIRES: dict[str, tuple[str, ...]] = {
+    "default": (), "linear": ("factor",), "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 MTP_NAMINGS = ("deepseek", "mimo", "mtp")
 
 
@@ -68,20 +72,34 @@ class ModelConfig:
             raise ConfigError(f"unknown MTP naming {self.mtp_naming!r}")
         if self.mtp_naming == "mtp" and self.num_mtp_modules > 1:
             raise ConfigError("the `mtp.*` naming holds one MTP module (of several layers)")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in _ROPE_TYPES:
+        if self.mtp_naming != "mtp" and self.mtp_layers_per_module > 1:
+            raise ConfigError(f"the {self.mtp_naming!r} naming holds one block per MTP module; "
+                              "several need the `mtp.*` naming")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type", "default")
+        if rope_type not in _ROPE_REQUIRES:
             raise ConfigError(f"rope scaling {rope_type!r} is not supported; supported: "
-                              f"{', '.join(_ROPE_TYPES)}")
+                              f"{', '.join(_ROPE_REQUIRES)}")
+        for key in _ROPE_REQUIRES[rope_type]:
+            value = scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"rope scaling {rope_type!r} needs a positive number for "
+                                  f"{key!r}, got {value!r}")
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config dict (transformers 4.x or 5.x layout)."""
         model_type = raw.get("model_type")
-        if model_type not in _FAMILIES:
+        if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(sorted(_FAMILIES))}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError("partial rotary embeddings (partial_rotary_factor) are not supported")
         if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
             raise ConfigError("sliding-window attention is not supported")
         traits = _FAMILIES[model_type]
@@ -103,8 +121,8 @@ class ModelConfig:
                 rope_scaling=_rope_scaling(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 qkv_bias=bias if traits["qkv_bias"] is None else bool(traits["qkv_bias"]),
-                o_bias=bias and model_type == "llama",
-                mlp_bias=bool(raw.get("mlp_bias", False)),
+                o_bias=bias and traits["qkv_bias"] is None,  # llama, qwen3: o_proj too
+                mlp_bias=bool(raw.get("mlp_bias", False)) and model_type == "llama",
                 qk_norm=bool(traits["qk_norm"]),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 num_mtp_modules=_num_mtp(raw),
@@ -115,7 +133,7 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"missing required key {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"bad value: {e}") from None
@@ -190,6 +208,16 @@ def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     if rope_type == "default":
         return None
     scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):
+        # As transformers reads it: a top-level original length (Phi-3 style) wins, the default
+        # is max_position_embeddings, and a null yarn factor means the ratio of the two lengths.
+        max_len = raw.get("max_position_embeddings", 4096)
+        if raw.get("original_max_position_embeddings") is not None:
+            scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        if scaling.get("original_max_position_embeddings") is None:
+            scaling["original_max_position_embeddings"] = max_len
+        if rope_type == "yarn" and scaling.get("factor") is None:
+            scaling["factor"] = max_len / scaling["original_max_position_embeddings"]
     return scaling
 
 

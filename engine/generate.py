@@ -28,6 +28,7 @@ class GenParams:
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()  # in addition to the model's end tokens
     seed: int | None = None
     k: int | None = None  # None: adaptive; an int: that many drafts every step
     speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
@@ -103,12 +104,12 @@ class Engine:
         costs = []
         for k in range(self.k_max + 1):
             times = []
-            for _ in range(reps + 1):
-                r.reset()
-                r.prefill(warm, greedy, use_mtp=True)
+            r.reset()
+            r.prefill(warm, greedy)
+            for _ in range(reps + 1):  # the first step also brings the modules up to date
                 t0 = time.perf_counter()
                 r.draft(k, greedy)
-                r.verify(greedy, use_mtp=True)
+                r.verify(greedy)
                 times.append(time.perf_counter() - t0)
             costs.append(sorted(times[1:])[len(times[1:]) // 2])
         r.reset()
@@ -125,6 +126,7 @@ class Generation(Iterator[Step]):
         self.finish_reason: str | None = None
         self.stats = Stats(prompt_tokens=len(prompt))
         self._decoder = StreamDecoder(engine.tokenizer)
+        self._stop_ids = engine.stop_ids | params.stop_ids
         self._tail = engine.tokenizer.decode(prompt[-64:])  # recent text, for the kind of text
         self._kind = TextKind.CODE
         self._started = False
@@ -137,13 +139,15 @@ class Generation(Iterator[Step]):
         r, t0 = self.engine.runner, time.perf_counter()
         if not self._started:
             self._started = True
-            first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler,
-                                                        use_mtp=self.use_mtp)
+            first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler)
             self.stats.prefill_s = time.perf_counter() - t0
             step = self._commit([first], k=0, accepted=0)
         else:
             k = r.num_drafts
-            new = r.verify(self.sampler, use_mtp=self.use_mtp)
+            if r.length + k + 1 > r.max_seq_len:
+                self.finish("length")  # the context is full
+                raise StopIteration
+            new = r.verify(self.sampler)
             seconds = time.perf_counter() - t0 + self._draft_s
             self._record(k, len(new) - 1, seconds)
             step = self._commit(new, k=k, accepted=len(new) - 1)
@@ -160,7 +164,8 @@ class Generation(Iterator[Step]):
         t0, r = time.perf_counter(), self.engine.runner
         k = 0
         if self.use_mtp:
-            k = self.params.k if self.params.k is not None else self.engine.policy.choose(self._kind)
+            fixed = self.params.k
+            k = self.engine.policy.choose(self._kind) if fixed is None else fixed
             room = r.max_seq_len - r.length - 2
             k = max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
                            room))
@@ -186,7 +191,7 @@ class Generation(Iterator[Step]):
         """Append tokens up to a stop token or the token limit, then apply stop strings."""
         kept: list[int] = []
         for tok in new:
-            if tok in self.engine.stop_ids:
+            if tok in self._stop_ids:
                 self.finish("stop")
                 break
             kept.append(tok)

@@ -78,11 +78,13 @@ class Transformer(nn.Module):
         return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, input_pos, kvs, mask)
 
     def mtp_logits(self, i: int, out: Tensor) -> Tensor:
-        return self.head(self.mtp[i].norm(out))
+        module: MTPModule = self.mtp[i]  # type: ignore[assignment]
+        return self.head(module.norm(out))
 
     def chain_hidden(self, i: int, out: Tensor) -> Tensor:
         """What the next draft step receives as its hidden state."""
-        return self.mtp[i].norm(out) if self.chain_normed else out
+        module: MTPModule = self.mtp[i]  # type: ignore[assignment]
+        return module.norm(out) if self.chain_normed else out
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, list[Tensor]]:
         """Full-sequence forward without a cache (training and references).

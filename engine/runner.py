@@ -1,16 +1,17 @@
 """Runs the model over one sequence: prefill, verify and draft steps on preallocated state.
 
 State between steps: the trunk cache holds positions 0..N-1 (`cached` are their tokens), and
-`pending` is the committed token x_N not yet run through the trunk. MTP module m's cache holds,
-at each position t < N, the entry made from (h_t, x_{t+1}); it is refreshed after every verify
-for the positions just verified, so it stays in step with the trunk.
+`pending` is the committed token x_N not yet run through the trunk; `hidden` keeps the trunk's
+output h_t for every position. MTP module m's cache holds, at each position t < `mtp_len`, the
+entry made from (h_t, x_{t+1}).
 
 A step with K drafts d_1..d_K: the trunk verifies [x_N, d_1..d_K] at positions N..N+K in one
 forward; the longest agreeing prefix d_1..d_n is kept plus one token of the target's own.
-Then every module is run over the same K+1 positions (rows past n hold garbage that the next
-writes overwrite before anything attends to them), and module 0's row n gives draft 1; drafts
-k >= 2 chain module min(k, M) on the previous draft's hidden state, one position further on.
-Shapes depend only on K, positions live in tensors: the CUDA-graph issue captures these as is.
+Drafting then first brings every module up to the new N (the n+1 positions just verified, or
+more after steps without drafts: K = 0 steps cost exactly an autoregressive step), and module
+0's last row gives draft 1; drafts k >= 2 chain module min(k, M) on the previous draft's hidden
+state, one position further on. Positions live in tensors and verify shapes depend only on K,
+so the CUDA-graph issue can capture the steps as they are.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class Sampler:
     def __init__(self, temperature: float, top_p: float, seed: int | None,
                  device: torch.device) -> None:
         if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, "
+                             f"got {temperature}, {top_p}")
         self.temperature, self.top_p = temperature, top_p
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
@@ -78,9 +80,11 @@ class Runner:
         self.verify_tokens = torch.zeros(1, self.k_max + 1, dtype=torch.long, device=self.device)
         self.drafts = torch.zeros(max(self.k_max, 1), dtype=torch.long, device=self.device)
         self.draft_probs: Tensor | None = None  # [K, V] when sampling
+        self.hidden = torch.zeros(1, max_seq_len, cfg.hidden_size, device=self.device,
+                                  dtype=self.dtype)  # trunk output h_t, [1, T, H]
         self.cached: list[int] = []
         self.pending = 0
-        self._draft_src: Tensor | None = None  # module 0's output at position N-1, [1, 1, H]
+        self.mtp_len = 0  # module entries are valid for positions < mtp_len
         self.num_drafts = 0
 
     @property
@@ -95,11 +99,10 @@ class Runner:
         return self.rope[0][pos], self.rope[1][pos]
 
     def reset(self) -> None:
-        self.cached, self._draft_src, self.num_drafts = [], None, 0
+        self.cached, self.mtp_len, self.num_drafts = [], 0, 0
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], sampler: Sampler, *, use_mtp: bool,
-                chunk: int = 512) -> tuple[int, int]:
+    def prefill(self, prompt: list[int], sampler: Sampler, chunk: int = 512) -> tuple[int, int]:
         """Run the prompt (reusing the cached common prefix). Returns (first token, reused)."""
         n = len(prompt)
         if n == 0:
@@ -107,35 +110,34 @@ class Runner:
         if n + self.k_max + 2 > self.max_seq_len:
             raise ContextOverflow(f"prompt of {n} tokens does not fit a context of "
                                   f"{self.max_seq_len} (with {self.k_max + 2} spare)")
-        # Module entry t depends on x_{t+1}, so a prefix of c reusable trunk positions leaves
-        # c - 1 reusable module entries; recompute both from there (and at least the last token).
+        # Module entry t depends on x_{t+1}, so c reusable trunk positions leave c - 1 reusable
+        # module entries; the trunk restarts there too (and always runs the last token).
         start = max(0, min(common_prefix(self.cached, prompt), n) - 1)
         tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        hidden = []
         for s in range(start, n, chunk):
             e = min(s + chunk, n)
             pos = self.positions[s:e]
-            hidden.append(self.model.trunk(tokens[:, s:e], self._rope(pos), pos, self.trunk_kv,
-                                           self._mask(pos, e - 1)))
-        h = torch.cat(hidden, dim=1)  # [1, n - start, H]
-        first, _ = sampler.pick(self.model.head(h[:, -1]))
+            self.hidden[:, s:e] = self.model.trunk(tokens[:, s:e], self._rope(pos), pos,
+                                                   self.trunk_kv, self._mask(pos, e - 1))
+        first, _ = sampler.pick(self.model.head(self.hidden[:, n - 1]))
         self.cached, self.pending = list(prompt), int(first)
-        self._draft_src, self.num_drafts = None, 0
-        if use_mtp and self.model.num_mtp:
-            nxt = torch.cat([tokens[:, start + 1:], first.view(1, 1)], dim=1)
-            for s in range(0, n - start, chunk):
-                e = min(s + chunk, n - start)
-                pos = self.positions[start + s:start + e]
-                outs = self._catch_up(h[:, s:e], nxt[:, s:e], pos, start + e - 1)
-            self._draft_src = outs[:, -1:]
+        self.mtp_len, self.num_drafts = min(self.mtp_len, start), 0
         return self.pending, start
 
-    def _catch_up(self, h: Tensor, nxt: Tensor, pos: Tensor, last: int) -> Tensor:
-        """Write every module's entries for `pos` (ending at `last`); module 0's outputs."""
-        mask = self._mask(pos, last)
-        outs = [self.model.mtp_forward(m, h, nxt, self._rope(pos), pos, kv, mask)
-                for m, kv in enumerate(self.mtp_kv)]
-        return outs[0]
+    def _catch_up(self, chunk: int = 512) -> Tensor:
+        """Bring every module's cache up to the trunk; module 0's output at N-1 [1, 1, H]."""
+        n = self.length
+        start = min(self.mtp_len, n - 1)  # the last entry is recomputed: it yields draft 1
+        nxt = torch.tensor([[*self.cached[start + 1:], self.pending]], device=self.device)
+        for s in range(start, n, chunk):
+            e = min(s + chunk, n)
+            pos = self.positions[s:e]
+            mask = self._mask(pos, e - 1)
+            outs = [self.model.mtp_forward(m, self.hidden[:, s:e], nxt[:, s - start:e - start],
+                                           self._rope(pos), pos, kv, mask)
+                    for m, kv in enumerate(self.mtp_kv)]
+        self.mtp_len = n
+        return outs[0][:, -1:]
 
     @torch.inference_mode()
     def draft(self, k: int, sampler: Sampler) -> None:
@@ -143,9 +145,8 @@ class Runner:
         self.num_drafts = k
         if k == 0:
             return
-        assert self._draft_src is not None, "draft() needs module state from prefill/verify"
         m_count, base = self.model.num_mtp, self.length  # the pending token is x_base
-        out, m = self._draft_src, 0
+        out, m = self._catch_up(), 0
         probs = []
         tok, q = sampler.pick(self.model.mtp_logits(0, out)[0, 0])
         toks = [tok]
@@ -164,7 +165,7 @@ class Runner:
         self.draft_probs = None if sampler.greedy else torch.stack(probs)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def verify(self, sampler: Sampler, *, use_mtp: bool) -> list[int]:
+    def verify(self, sampler: Sampler) -> list[int]:
         """Verify the pending token and the current drafts; return the committed tokens."""
         k, n0 = self.num_drafts, self.length
         if n0 + k + 1 > self.max_seq_len:
@@ -174,6 +175,7 @@ class Runner:
         tokens = self.verify_tokens[:, :k + 1]
         pos = self.positions[n0:n0 + k + 1]
         h = self.model.trunk(tokens, self._rope(pos), pos, self.trunk_kv, self._mask(pos, n0 + k))
+        self.hidden[:, n0:n0 + k + 1] = h
         logits = self.model.head(h)[0]  # [K+1, V]
         drafts = self.drafts[:k]
         if sampler.greedy:
@@ -185,9 +187,6 @@ class Runner:
                 out, n = accept_sampled(drafts, p, self.draft_probs[:k], sampler.generator)
             else:
                 out, n = sample(p, sampler.generator), torch.zeros((), dtype=torch.long)
-        if use_mtp and self.model.num_mtp:
-            outs = self._catch_up(h, out.view(1, -1), pos, n0 + k)
-            self._draft_src = outs[:, n.view(1)]  # row n: (h_{N'-1}, x_{N'})
         accepted = int(n)  # the one host sync of a step
         new = out[:accepted + 1].tolist()
         self.cached.append(self.pending)

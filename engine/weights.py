@@ -26,7 +26,8 @@ class CheckpointError(ValueError):
 
 # Per-module parameter names that differ between namings: ours -> theirs.
 _MODULE_NAMES = {
-    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"},
+    "deepseek": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                 "norm": "shared_head.norm"},
     "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
              "norm": "final_layernorm"},
     "mtp": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
@@ -79,6 +80,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index: {e}") from None
+        if not (isinstance(weight_map, dict)
+                and all(isinstance(f, str) for f in weight_map.values())):
+            raise CheckpointError(f"{index}: weight_map is not an object of tensor -> file name")
         return {name: model_dir / fname for name, fname in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -100,15 +104,29 @@ def read_header(path: Path) -> dict[str, dict]:
         size = path.stat().st_size
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file is missing") from None
-    except (OSError, struct.error, ValueError) as e:
+    except (OSError, struct.error, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file: the header is not a JSON object")
     header.pop("__metadata__", None)
     for name, info in header.items():
+        if not _valid_entry(info):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry: "
+                                  f"{info!r:.200}")
         end = 8 + n + info["data_offsets"][1]
         if end > size:
             raise CheckpointError(f"{path}: truncated: tensor {name!r} ends at byte {end}, "
                                   f"file has {size}")
     return header
+
+
+def _valid_entry(info: object) -> bool:
+    def ints(x: object) -> bool:
+        return isinstance(x, list) and all(type(v) is int and v >= 0 for v in x)
+
+    return (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+            and ints(info.get("shape"))
+            and ints(info.get("data_offsets")) and len(info["data_offsets"]) == 2)
 
 
 def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
@@ -140,22 +158,28 @@ def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[s
                   and not n.endswith("rotary_emb.inv_freq")]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+                              + _more(unexpected))
     missing = [n for n in expected if n not in files]
     if missing:
-        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + _more(missing))
     headers: dict[Path, dict[str, dict]] = {}
     for name, (_, shape) in expected.items():
         f = files[name]
         if f not in headers:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: file is missing (it should hold {name!r})")
             headers[f] = read_header(f)
         if name not in headers[f]:
-            raise CheckpointError(f"{f}: tensor {name!r} is listed in the index but not in the file")
+            raise CheckpointError(f"{f}: tensor {name!r} is listed in the index "
+                                  "but not in the file")
         got = tuple(headers[f][name]["shape"])
         if got != shape:
             raise CheckpointError(f"{f}: tensor {name!r} has shape {list(got)}, "
                                   f"expected {list(shape)}")
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
 def _read_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
@@ -200,6 +224,7 @@ def save_model(model: Transformer, model_dir: str | Path, *, max_shard_bytes: in
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total},
              "weight_map": weight_map}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

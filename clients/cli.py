@@ -1,0 +1,204 @@
+"""The `ahead` command line.
+
+Imports of torch and the engine happen inside the commands that need them, so that light
+commands (and, later, `ahead lsp`) start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class CliError(Exception):
+    """A failure to report as one line, without a traceback."""
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    model = args.model or os.environ.get("AHEAD_MODEL")
+    if not model:
+        raise CliError("no model given: pass --model DIR (a Hugging Face checkpoint directory "
+                       "with config.json, tokenizer.json and safetensors) or set AHEAD_MODEL")
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise CliError(f"model directory {path} does not exist")
+    return path
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    import torch
+
+    from engine.generate import Engine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = dtypes[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    return Engine.load(_model_dir(args), device=device, dtype=dtype,
+                       max_seq_len=args.max_seq_len, k_max=args.k_max)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.generate import GenParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise CliError("empty prompt")
+    engine = _load_engine(args)
+    params = GenParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
+                       top_p=args.top_p, stop=tuple(args.stop), seed=args.seed, k=args.k,
+                       speculative=not args.no_spec)
+    ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(prompt)]
+    t0 = time.perf_counter()
+    stream = not args.json
+    if stream:
+        sys.stdout.write(prompt)
+    gen = engine.generate(ids, params, on_step=lambda s: _emit(s.text) if stream else None)
+    elapsed = time.perf_counter() - t0
+    stats = _gen_stats(gen, elapsed)
+    if args.json:
+        json.dump({"prompt": prompt, "completion": gen.text, "finish_reason": gen.finish_reason,
+                   "stats": stats}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write("\n")
+    if args.stats and not args.json:
+        print(" ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+    return 0
+
+
+def _emit(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _gen_stats(gen: Any, elapsed: float) -> dict[str, Any]:
+    s = gen.stats
+    decoded = max(len(gen.tokens) - 1, 0)
+    return {
+        "tokens": len(gen.tokens),
+        "tokens_per_s": round(decoded / s.decode_s, 1) if s.decode_s else None,
+        "accepted_per_step": round(s.accepted / s.steps, 2) if s.steps else None,
+        "k_histogram": dict(sorted(s.k_hist.items())),
+        "prefill_ms": round(s.prefill_s * 1000, 1),
+        "total_ms": round(elapsed * 1000, 1),
+    }
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from engine.bench import bench_engine, cursor_prompts, format_report, heldout_files
+
+    engine = _load_engine(args)
+    files = [Path(f) for f in args.files] if args.files else heldout_files()
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise CliError(f"prompt file {missing[0]} does not exist")
+    room = engine.runner.max_seq_len - args.max_new_tokens - engine.k_max - 2
+    prompts = cursor_prompts(engine, files, args.num_prompts, args.seed, max_tokens=room)
+    ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rbench: prompt {done}/{total}", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)
+
+    result = bench_engine(engine, prompts, max_new_tokens=args.max_new_tokens, ks=ks,
+                          progress=progress)
+    result["model"] = str(_model_dir(args))
+    result["device"] = str(engine.runner.device)
+    result["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_new_model(args: argparse.Namespace) -> int:
+    from engine.synthetic import write_checkpoint
+
+    path = Path(args.dir)
+    if path.exists() and any(path.iterdir()) and not args.force:
+        raise CliError(f"{path} exists and is not empty (--force overwrites the model files)")
+    print(f"writing a {args.preset} checkpoint to {path}"
+          + (f" (training {args.train_steps} steps)" if args.train_steps else ""), file=sys.stderr)
+    write_checkpoint(path, args.preset, seed=args.seed, train_steps=args.train_steps,
+                     mtp_naming=args.naming)
+    print(path)
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: $AHEAD_MODEL)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (tokens)")
+    p.add_argument("--k-max", type=int, default=8, help="most drafts per step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ahead", description="Local code completion with "
+                                     "multi-token-prediction speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="continue a prompt, streaming to stdout")
+    gen.add_argument("prompt", help="the prompt text, or - to read stdin")
+    _add_model_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--k", type=int, help="fixed number of drafts (default: adaptive)")
+    gen.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding")
+    gen.add_argument("--stats", action="store_true", help="print speed figures to stderr")
+    gen.add_argument("--json", action="store_true", help="one JSON object instead of a stream")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    eng = bench_sub.add_parser("engine", help="AR vs MTP decoding at each K and adaptive K")
+    _add_model_args(eng)
+    eng.add_argument("--files", nargs="+", help="source files to cut prompts from "
+                     "(default: held-out standard-library modules)")
+    eng.add_argument("--num-prompts", type=int, default=20)
+    eng.add_argument("--max-new-tokens", type=int, default=64)
+    eng.add_argument("--ks", help="fixed Ks to run, comma-separated (default: 1..k-max)")
+    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--json", help="write the results to this file")
+    eng.set_defaults(func=cmd_bench_engine)
+
+    new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
+                         "ahead and for tests; random or briefly trained weights)")
+    new.add_argument("dir")
+    new.add_argument("--preset", default="tiny-qwen3")
+    new.add_argument("--train-steps", type=int, default=0)
+    new.add_argument("--naming", choices=["deepseek", "mimo", "mtp"], default="deepseek")
+    new.add_argument("--seed", type=int, default=0)
+    new.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    new.set_defaults(func=cmd_new_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("\nahead: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except CliError as e:
+        print(f"ahead: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except (ValueError, OSError) as e:  # bad checkpoints, configs, tokenizers, prompts
+        print(f"ahead: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Shared fixtures: small real checkpoints written to disk once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.generate import Engine
+from engine.synthetic import write_checkpoint
+
+# Token ids the synthetic chain is trained on (see engine/synthetic.py).
+CHAIN_VOCAB = range(300, 396)
+
+
+@pytest.fixture(scope="session")
+def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two MTP modules trained on a low-entropy chain: long accepted runs."""
+    path = tmp_path_factory.mktemp("trained")
+    write_checkpoint(path, "tiny-qwen3", train_steps=150, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights, one MTP module, MiMo naming: drafts are mostly rejected."""
+    path = tmp_path_factory.mktemp("random")
+    write_checkpoint(path, "tiny-qwen2", seed=1, mtp_naming="mimo")
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_engine(trained_dir: Path) -> Engine:
+    return Engine.load(trained_dir, max_seq_len=512, k_max=8)
+
+
+@pytest.fixture(scope="session")
+def random_engine(random_dir: Path) -> Engine:
+    return Engine.load(random_dir, max_seq_len=512, k_max=8)

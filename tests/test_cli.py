@@ -1,0 +1,76 @@
+"""The `ahead` command as a user runs it: a real process on a real checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def ahead(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "clients.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_generate_streams_a_completion(trained_dir: Path) -> None:
+    proc = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
+                 "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("def add(a, b):")
+    assert len(proc.stdout) > len("def add(a, b):\n")
+    assert "tokens_per_s=" in proc.stderr and "accepted_per_step=" in proc.stderr
+
+
+def test_generate_json_from_stdin_is_identical_without_speculation(trained_dir: Path) -> None:
+    outs = []
+    for extra in ([], ["--no-spec"], ["--k", "3"]):
+        proc = ahead("generate", "--model", str(trained_dir), "-", "--max-tokens", "16", "--json",
+                     *extra, stdin="import os\n")
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout))
+    assert outs[0]["prompt"] == "import os\n"
+    assert outs[0]["completion"] == outs[1]["completion"] == outs[2]["completion"]
+    assert outs[1]["stats"]["k_histogram"] == {"0": outs[1]["stats"]["tokens"] - 1}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["generate", "--model", "/nonexistent/model", "x"], "does not exist"),
+    (["generate", "x"], "no model given"),
+    (["generate", "--model", "{tmp}", "x"], "config.json"),
+    (["bench", "engine", "--model", "{model}", "--files", "/nonexistent.py"], "does not exist"),
+])
+def test_errors_are_one_clear_line(args: list[str], message: str, tmp_path: Path,
+                                   random_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AHEAD_MODEL", raising=False)
+    args = [a.format(tmp=tmp_path, model=random_dir) for a in args]
+    proc = ahead(*args)
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("ahead: error:")
+
+
+def test_bench_engine_reports_every_mode(random_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = ahead("bench", "engine", "--model", str(random_dir), "--num-prompts", "2",
+                 "--ks", "1,3", "--max-new-tokens", "8", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "MTP adaptive K" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["identical_to_ar"] is True
+    assert result["ar"]["tokens_per_s"] > 0
+    for k in ("1", "3"):
+        assert result["fixed"][k]["tokens_per_s"] > 0
+        assert result["fixed"][k]["tokens_per_step"] >= 1
+    assert result["adaptive"]["tokens_per_step"] >= 1
+    assert sum(result["adaptive"]["k_histogram"].values()) > 0
+    assert isinstance(result["acceptance_by_position"], list)
+
+
+def test_new_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("mine")
+    proc = ahead("new-model", str(tmp_path))
+    assert proc.returncode == 1 and "not empty" in proc.stderr
+    assert (tmp_path / "keep.txt").read_text() == "mine"

@@ -1,0 +1,77 @@
+"""The K policy: measured acceptance and cost decide K; text kinds are told apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.policy import KPolicy, TextKind, classify
+
+COSTS = [1.0 + 0.1 * k for k in range(9)]  # verify cost grows slowly with K, as on a GPU
+
+
+def trained(rate: float, kind: TextKind = TextKind.CODE, steps: int = 200) -> KPolicy:
+    policy = KPolicy(8, COSTS, probe_every=0)
+    for step in range(steps):
+        # Accept each position with probability `rate`, deterministically spread out.
+        accepted = 0
+        while accepted < 8 and ((step * 7 + accepted * 13) % 100) < rate * 100:
+            accepted += 1
+        policy.observe(kind, 8, accepted)
+    return policy
+
+
+def test_near_zero_acceptance_picks_k0() -> None:
+    assert trained(0.02).best(TextKind.CODE) == 0
+
+
+def test_near_one_acceptance_picks_large_k() -> None:
+    assert trained(0.99).best(TextKind.CODE) == 8
+
+
+def test_expensive_drafts_lower_k() -> None:
+    policy = trained(0.7)
+    cheap = policy.best(TextKind.CODE)
+    policy.costs = [1.0 + 1.0 * k for k in range(9)]  # each draft as costly as a verify
+    assert policy.best(TextKind.CODE) < cheap
+
+
+def test_kinds_are_kept_apart() -> None:
+    policy = trained(0.99, TextKind.CODE)
+    for _ in range(200):
+        policy.observe(TextKind.COMMENT, 8, 0)
+    assert policy.best(TextKind.CODE) == 8
+    assert policy.best(TextKind.COMMENT) == 0
+
+
+def test_probing_keeps_measuring_past_the_best_k() -> None:
+    policy = KPolicy(8, COSTS, probe_every=4)
+    for _ in range(100):
+        policy.observe(TextKind.CODE, 1, 0)
+    chosen = [policy.choose(TextKind.CODE) for _ in range(8)]
+    assert chosen.count(0) == 6 and chosen.count(1) == 2
+
+
+def test_costs_are_learned_from_measured_steps() -> None:
+    policy = KPolicy(2, [1.0, 1.0, 1.0])
+    for _ in range(100):
+        policy.observe(TextKind.CODE, 2, 2, seconds=3.0)
+    assert policy.costs[2] == pytest.approx(3.0, rel=1e-3)
+
+
+def test_bad_cost_table_is_refused() -> None:
+    with pytest.raises(ValueError):
+        KPolicy(2, [1.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize(("tail", "kind"), [
+    ("def f(x):\n    return x", TextKind.CODE),
+    ("x = 1  # the count of", TextKind.COMMENT),
+    ("// a C comment", TextKind.COMMENT),
+    ("name = 'abc", TextKind.STRING),
+    ('s = "it\\"s', TextKind.STRING),
+    ('def f():\n    """Return the', TextKind.STRING),
+    ('def f():\n    """Doc."""\n    return', TextKind.CODE),
+    ("s = '#not a comment'", TextKind.CODE),
+])
+def test_classify(tail: str, kind: TextKind) -> None:
+    assert classify(tail) == kind

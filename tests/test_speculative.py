@@ -1,0 +1,144 @@
+"""Speculative decoding is lossless, and the drafts are the ones a fresh forward would make."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.generate import Engine, GenParams
+from engine.layers import rope_tables
+from engine.model import Transformer
+from tests.conftest import CHAIN_VOCAB
+
+
+def chain_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.choice(CHAIN_VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+def text_prompts(engine: Engine) -> list[list[int]]:
+    texts = ["def fib(n):\n    ", "import os\n\nclass Path:\n", "# comment é 中文 🎉\nx = '", "\n"]
+    return [engine.tokenizer.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("which", ["trained", "random"])
+def test_greedy_speculative_equals_autoregressive_for_every_k(which: str, request) -> None:
+    engine: Engine = request.getfixturevalue(f"{which}_engine")
+    prompts = chain_prompts(5, seed=1) + text_prompts(engine)
+    for prompt in prompts:
+        ar = engine.generate(prompt, GenParams(max_new_tokens=40, speculative=False))
+        assert len(ar.tokens) == 40 or ar.finish_reason == "stop"
+        for k in [*range(9), None]:
+            spec = engine.generate(prompt, GenParams(max_new_tokens=40, k=k))
+            assert spec.tokens == ar.tokens, (prompt, k)
+            assert spec.text == ar.text
+            assert spec.finish_reason == ar.finish_reason
+
+
+def test_trained_model_accepts_long_runs(trained_engine: Engine) -> None:
+    """Guards the tests above: without accepted runs they would prove little."""
+    gen = trained_engine.generate(chain_prompts(1, seed=2)[0], GenParams(max_new_tokens=64, k=8))
+    assert gen.stats.accepted / gen.stats.steps > 3
+
+
+def test_stops_inside_an_accepted_run(trained_engine: Engine) -> None:
+    prompt = chain_prompts(1, seed=3)[0]
+    ar = trained_engine.generate(prompt, GenParams(max_new_tokens=48, speculative=False))
+    for j in (3, 5, 11, 17):  # positions that land inside an 8-draft run
+        stop_tok = ar.tokens[j]
+        first = ar.tokens.index(stop_tok)
+        params = {"max_new_tokens": 48, "stop_ids": frozenset({stop_tok})}
+        want = trained_engine.generate(prompt, GenParams(**params, speculative=False))
+        assert want.tokens == ar.tokens[:first] and want.finish_reason == "stop"
+        for k in (2, 5, 8, None):
+            got = trained_engine.generate(prompt, GenParams(**params, k=k))
+            assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, "stop")
+    for limit in (1, 2, 7, 13):  # the token limit inside a run
+        want = trained_engine.generate(prompt, GenParams(max_new_tokens=limit, speculative=False))
+        got = trained_engine.generate(prompt, GenParams(max_new_tokens=limit, k=8))
+        assert got.tokens == want.tokens and len(got.tokens) == limit
+        assert got.finish_reason == "length"
+
+
+def test_stop_strings_inside_an_accepted_run(trained_engine: Engine) -> None:
+    prompt = chain_prompts(1, seed=4)[0]
+    ar = trained_engine.generate(prompt, GenParams(max_new_tokens=40, speculative=False))
+    for cut in (5, 20, 33):
+        stop = ar.text[cut:cut + 3]
+        want = ar.text[:ar.text.find(stop)]
+        for k in (0, 4, 8):
+            got = trained_engine.generate(prompt, GenParams(max_new_tokens=40, k=k, stop=(stop,)))
+            assert got.text == want and got.finish_reason == "stop"
+
+
+def reference_drafts(model: Transformer, seq: list[int], k: int) -> list[int]:
+    """Greedy drafts after `seq` (whose last token is not yet in the trunk), from scratch.
+
+    Every module runs full causal forwards over its committed entries (h_t, x_{t+1}) for
+    t < N and the chained entries after them; nothing is cached.
+    """
+    n = len(seq) - 1
+    tokens = torch.tensor([seq])
+    rope = rope_tables(model.cfg, n + k + 1, tokens.device, torch.float32)
+    pos = torch.arange(n + k + 1)
+    h = model.trunk(tokens[:, :n], (rope[0][:n], rope[1][:n]), pos[:n])
+    chains: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+    drafts: list[int] = []
+    m, tok, out = 0, seq[-1], h
+    for step in range(1, k + 1):
+        if step > 1:
+            hid = model.chain_hidden(m, out[:, -1:])
+            m = min(step, model.num_mtp) - 1
+        hs, ts = chains.setdefault(m, ([h], list(seq[1:n + 1])))
+        if step > 1:
+            hs.append(hid)
+            ts.append(tok)
+        full_h = torch.cat(hs, dim=1)
+        length = full_h.shape[1]
+        out = model.mtp_forward(m, full_h, torch.tensor([ts]), (rope[0][:length], rope[1][:length]),
+                                pos[:length])
+        tok = int(model.mtp_logits(m, out[:, -1]).argmax(-1))
+        drafts.append(tok)
+    return drafts
+
+
+@pytest.mark.parametrize("which", ["trained", "random"])
+def test_draft_parity_with_fresh_forward(which: str, request) -> None:
+    engine: Engine = request.getfixturevalue(f"{which}_engine")
+    runner = engine.runner
+    with torch.inference_mode():
+        for prompt in chain_prompts(3, seed=5) + text_prompts(engine)[:2]:
+            for k in (1, 3, 8):
+                gen = engine.start(prompt, GenParams(max_new_tokens=30, k=k))
+                checked = 0
+                for _ in gen:
+                    if runner.num_drafts == 0:
+                        continue
+                    seq = [*runner.cached, runner.pending]
+                    got = runner.drafts[:runner.num_drafts].tolist()
+                    assert got == reference_drafts(engine.model, seq, runner.num_drafts)
+                    checked += 1
+                assert checked >= 2
+
+
+def test_prefix_reuse_gives_the_same_output(trained_engine: Engine) -> None:
+    base = chain_prompts(1, seed=6)[0] * 3
+    first = trained_engine.generate(base, GenParams(max_new_tokens=20, k=4))
+    # A prompt that extends what is cached: only the new tokens are prefilled.
+    longer = base + first.tokens[:10] + [CHAIN_VOCAB[0]]
+    again = trained_engine.generate(longer, GenParams(max_new_tokens=20, k=4))
+    # The last common token is run again: its module entry depends on the token after it.
+    assert again.stats.reused_tokens == len(base) + 10 - 1
+    trained_engine.runner.reset()
+    fresh = trained_engine.generate(longer, GenParams(max_new_tokens=20, k=4))
+    assert fresh.stats.reused_tokens == 0
+    assert again.tokens == fresh.tokens
+    # An edit in the middle keeps only the prefix before it.
+    other = CHAIN_VOCAB[1] if base[5] != CHAIN_VOCAB[1] else CHAIN_VOCAB[2]
+    edited = [*base[:5], other, *base[6:]]
+    third = trained_engine.generate(edited, GenParams(max_new_tokens=20, k=4))
+    assert third.stats.reused_tokens == 4
+    trained_engine.runner.reset()
+    assert trained_engine.generate(edited, GenParams(max_new_tokens=20, k=4)).tokens == third.tokens
