@@ -57,6 +57,9 @@ class KPolicy:
         self.accept: dict[TextKind, list[float | None]] = {kind: [None] * k_max
                                                            for kind in TextKind}
         self.steps = 0
+        self._probe: int | None = None  # the K of the last choice, when it was a probe
+        self._probe_gap = probe_every
+        self._next_probe = probe_every
 
     def rates(self, kind: TextKind) -> list[float]:
         """Conditional acceptance estimate per draft position."""
@@ -74,16 +77,26 @@ class KPolicy:
         return total
 
     def best(self, kind: TextKind) -> int:
-        rates = [self.expected_tokens(kind, k) / self.costs[k] for k in range(self.k_max + 1)]
-        return max(range(self.k_max + 1), key=rates.__getitem__)
+        """argmax_K E(K) / c(K), in one pass (it runs every step)."""
+        total, run, best_k, best_rate = 1.0, 1.0, 0, 1.0 / self.costs[0]
+        for k, a in enumerate(self.rates(kind), start=1):
+            run *= a
+            total += run
+            if total / self.costs[k] > best_rate:
+                best_k, best_rate = k, total / self.costs[k]
+        return best_k
 
     def choose(self, kind: TextKind) -> int:
-        """The best K, except every `probe_every` steps one more, so positions past the
-        current best keep being measured and a drop to K = 0 is not forever."""
+        """The best K, but now and then one more, so positions past the current best keep
+        being measured and a drop to K = 0 is not forever. A probe that fails doubles the
+        gap to the next one (up to 16x), so a model that cannot draft pays little for them."""
         self.steps += 1
         k = self.best(kind)
-        if self.probe_every and self.steps % self.probe_every == 0:
-            k = min(k + 1, self.k_max)
+        self._probe = None
+        if self.probe_every and self.steps >= self._next_probe and k < self.k_max:
+            self._probe = k + 1
+            self._next_probe = self.steps + self._probe_gap
+            return k + 1
         return k
 
     def observe(self, kind: TextKind, k: int, accepted: int, seconds: float | None = None) -> None:
@@ -94,3 +107,8 @@ class KPolicy:
             acc[i] = rates[i] + self.decay * ((1.0 if i < accepted else 0.0) - rates[i])
         if seconds is not None and seconds > 0:
             self.costs[k] += self.decay * (seconds - self.costs[k])
+        if self._probe is not None and self._probe == k:
+            failed = accepted < k  # the probed position was not accepted
+            self._probe_gap = min(self._probe_gap * 2, 16 * self.probe_every) if failed \
+                else self.probe_every
+            self._probe = None

@@ -75,3 +75,19 @@ def test_bad_cost_table_is_refused() -> None:
 ])
 def test_classify(tail: str, kind: TextKind) -> None:
     assert classify(tail) == kind
+
+
+def test_failed_probes_back_off_and_a_success_resets() -> None:
+    policy = KPolicy(8, COSTS, probe_every=4)
+    for _ in range(100):
+        policy.observe(TextKind.CODE, 1, 0)
+    probes = 0
+    for _ in range(400):
+        k = policy.choose(TextKind.CODE)
+        probes += k > 0
+        policy.observe(TextKind.CODE, k, 0)
+    assert 5 <= probes <= 12  # every 4th step without backing off would be 100
+    for _ in range(200):  # the drafts turn good: the first successful probe raises K
+        k = policy.choose(TextKind.CODE)
+        policy.observe(TextKind.CODE, k, k)
+    assert policy.best(TextKind.CODE) == 8
