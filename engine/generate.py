@@ -71,14 +71,21 @@ class Engine:
         max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
         self.runner = Runner(model, max_seq_len, k_max)
         self.k_max = self.runner.k_max
-        self.policy = KPolicy(self.k_max, self.measure_costs())
+        # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
+        self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
              dtype: torch.dtype = torch.float32, **kw: int) -> Engine:
         model = load_model(model_dir, device=device, dtype=dtype)
-        return cls(model, Tokenizer.from_dir(model_dir), **kw)
+        engine = cls(model, Tokenizer.from_dir(model_dir), **kw)
+        engine.calibrate()
+        return engine
+
+    def calibrate(self) -> None:
+        """Measure the step cost of every K on this machine for the K policy."""
+        self.policy.costs = self.measure_costs()
 
     def start(self, prompt: list[int], params: GenParams | None = None) -> Generation:
         return Generation(self, prompt, params or GenParams())

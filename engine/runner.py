@@ -61,6 +61,8 @@ class Sampler:
 
 
 class Runner:
+    """One sequence's caches and static buffers, and the prefill, draft and verify steps."""
+
     def __init__(self, model: Transformer, max_seq_len: int, k_max: int,
                  kv_block: int = 64) -> None:
         cfg = model.cfg
@@ -182,11 +184,8 @@ class Runner:
             out, n = accept_greedy(drafts, logits)
         else:
             p = probs_from_logits(logits, sampler.temperature, sampler.top_p)
-            if k:
-                assert self.draft_probs is not None
-                out, n = accept_sampled(drafts, p, self.draft_probs[:k], sampler.generator)
-            else:
-                out, n = sample(p, sampler.generator), torch.zeros((), dtype=torch.long)
+            q = self.draft_probs[:k] if k and self.draft_probs is not None else p[:0]
+            out, n = accept_sampled(drafts, p, q, sampler.generator)
         accepted = int(n)  # the one host sync of a step
         new = out[:accepted + 1].tolist()
         self.cached.append(self.pending)

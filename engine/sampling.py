@@ -64,6 +64,5 @@ def accept_sampled(drafts: Tensor, p: Tensor, q: Tensor,
     rows = torch.cat([residual, p[..., k:, :]], dim=-2)  # [..., K+1, V]
     pick = n[..., None, None].expand(*n.shape, 1, rows.shape[-1])
     drawn = sample(rows.gather(-2, pick).squeeze(-2), generator)  # [...]
-    tokens = torch.cat([drafts, drafts[..., :1]], dim=-1).scatter(-1, n.unsqueeze(-1),
-                                                                    drawn.unsqueeze(-1))
-    return tokens, n
+    drawn = drawn.unsqueeze(-1)
+    return torch.cat([drafts, drawn], dim=-1).scatter(-1, n.unsqueeze(-1), drawn), n

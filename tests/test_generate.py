@@ -1,0 +1,75 @@
+"""The generation loop: cancellation between steps, streaming, limits and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.generate import Engine, GenParams
+from engine.runner import ContextOverflow
+from engine.synthetic import write_checkpoint
+from tests.conftest import CHAIN_VOCAB
+
+PROMPT = list(CHAIN_VOCAB[:12])
+
+
+def test_cancel_stops_within_one_step_and_leaves_the_cache_consistent(
+        trained_engine: Engine) -> None:
+    steps = []
+    gen = trained_engine.generate(PROMPT, GenParams(max_new_tokens=200, k=2),
+                                  on_step=steps.append, cancelled=lambda: len(steps) >= 3)
+    assert gen.finish_reason == "cancelled" and len(steps) == 3
+    # What comes next is what a fresh engine state would give.
+    after = trained_engine.generate(PROMPT[:7], GenParams(max_new_tokens=30))
+    assert after.stats.reused_tokens == 6
+    trained_engine.runner.reset()
+    assert trained_engine.generate(PROMPT[:7], GenParams(max_new_tokens=30)).tokens == after.tokens
+
+
+def test_streamed_text_adds_up_to_the_whole(trained_engine: Engine) -> None:
+    pieces: list[str] = []
+    prompt = trained_engine.tokenizer.encode("x = 'é 中文 🎉")
+    gen = trained_engine.generate(prompt, GenParams(max_new_tokens=40),
+                                  on_step=lambda s: pieces.append(s.text))
+    assert "".join(pieces) == gen.text
+    assert gen.text == trained_engine.tokenizer.decode(gen.tokens, skip_special=True)
+
+
+def test_context_overflow_is_a_clear_error(trained_engine: Engine) -> None:
+    too_long = PROMPT * 100
+    with pytest.raises(ContextOverflow, match="does not fit"):
+        trained_engine.generate(too_long)
+
+
+def test_generation_ends_when_the_context_is_full(trained_engine: Engine) -> None:
+    room = trained_engine.runner.max_seq_len
+    prompt = (PROMPT * 100)[: room - trained_engine.k_max - 2]
+    gen = trained_engine.generate(prompt, GenParams(max_new_tokens=500))
+    assert gen.finish_reason == "length"
+    assert len(prompt) + len(gen.tokens) <= room + 1
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"k": -1}])
+def test_bad_parameters_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        GenParams(**bad)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}])
+def test_bad_sampling_parameters_are_refused(trained_engine: Engine, bad: dict) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        trained_engine.generate(PROMPT, GenParams(**bad))
+
+
+def test_empty_prompt_is_refused(trained_engine: Engine) -> None:
+    with pytest.raises(ValueError, match="empty prompt"):
+        trained_engine.generate([])
+
+
+def test_a_model_without_mtp_modules_decodes_autoregressively(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, "tiny-llama", num_mtp_modules=0)
+    engine = Engine.load(tmp_path, max_seq_len=256)
+    assert engine.k_max == 0
+    gen = engine.generate(PROMPT, GenParams(max_new_tokens=10, k=4))
+    assert len(gen.tokens) == 10 and set(gen.stats.k_hist) == {0}
