@@ -43,19 +43,21 @@ def classify(tail: str) -> TextKind:
 class KPolicy:
     """Per-kind, per-position acceptance averages and a per-K cost table."""
 
-    def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.1,
-                 prior: float = 0.6, probe_every: int = 8) -> None:
+    def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.05,
+                 prior: float = 0.6, prior_weight: float = 2.0, probe_every: int = 8) -> None:
         if len(costs) != k_max + 1 or min(costs) <= 0:
             raise ValueError(f"need {k_max + 1} positive step costs, got {costs}")
         self.k_max = k_max
         self.costs = list(costs)
         self.decay = decay
-        self.prior = prior
+        self.prior, self.prior_weight = prior, prior_weight
         self.probe_every = probe_every
-        # None until a position has been measured; it then reads as the position before it,
-        # so one good observation at position i lifts the estimate for i+1, i+2, ... too.
-        self.accept: dict[TextKind, list[float | None]] = {kind: [None] * k_max
-                                                           for kind in TextKind}
+        # Per position, exponentially forgotten (accepted, observed) sums. The estimate is
+        # (accepted + prior * w) / (observed + w): a few observations move it a long way, and
+        # old ones fade. An unobserved position reads as the one before it, so good drafts at
+        # position i lift the estimate for i+1, i+2, ... too.
+        self.accept: dict[TextKind, list[tuple[float, float]]] = {
+            kind: [(0.0, 0.0)] * k_max for kind in TextKind}
         self.steps = 0
         self._probe: int | None = None  # the K of the last choice, when it was a probe
         self._probe_gap = probe_every
@@ -63,9 +65,10 @@ class KPolicy:
 
     def rates(self, kind: TextKind) -> list[float]:
         """Conditional acceptance estimate per draft position."""
-        out, last = [], self.prior
-        for a in self.accept[kind]:
-            last = last if a is None else a
+        out, last, w = [], self.prior, self.prior_weight
+        for hits, seen in self.accept[kind]:
+            if seen > 0:
+                last = (hits + self.prior * w) / (seen + w)
             out.append(last)
         return out
 
@@ -101,10 +104,11 @@ class KPolicy:
 
     def observe(self, kind: TextKind, k: int, accepted: int, seconds: float | None = None) -> None:
         """Record a step that verified k drafts and accepted `accepted` of them."""
-        acc, rates = self.accept[kind], self.rates(kind)
+        acc, keep = self.accept[kind], 1.0 - self.decay
         # Position i is observed only when drafts < i were all accepted.
         for i in range(min(accepted + 1, k)):
-            acc[i] = rates[i] + self.decay * ((1.0 if i < accepted else 0.0) - rates[i])
+            hits, seen = acc[i]
+            acc[i] = (hits * keep + (i < accepted), seen * keep + 1.0)
         if seconds is not None and seconds > 0:
             self.costs[k] += self.decay * (seconds - self.costs[k])
         if self._probe is not None and self._probe == k:

@@ -53,7 +53,7 @@ def test_probing_keeps_measuring_past_the_best_k() -> None:
 
 def test_costs_are_learned_from_measured_steps() -> None:
     policy = KPolicy(2, [1.0, 1.0, 1.0])
-    for _ in range(100):
+    for _ in range(300):
         policy.observe(TextKind.CODE, 2, 2, seconds=3.0)
     assert policy.costs[2] == pytest.approx(3.0, rel=1e-3)
 
