@@ -22,10 +22,13 @@ class CliError(Exception):
 
 
 def _model_dir(args: argparse.Namespace) -> Path:
-    model = args.model or os.environ.get("AHEAD_MODEL")
+    from engine.bundled import bundled_model_dir
+
+    model = args.model or os.environ.get("AHEAD_MODEL") or bundled_model_dir()
     if not model:
-        raise CliError("no model given: pass --model DIR (a Hugging Face checkpoint directory "
-                       "with config.json, tokenizer.json and safetensors) or set AHEAD_MODEL")
+        raise CliError("no model given and the bundled model is missing from this install: "
+                       "pass --model DIR (a Hugging Face checkpoint directory with config.json, "
+                       "tokenizer.json and safetensors) or set AHEAD_MODEL")
     path = Path(model).expanduser()
     if not path.is_dir():
         raise CliError(f"model directory {path} does not exist")
@@ -92,10 +95,11 @@ def _gen_stats(gen: Any, elapsed: float) -> dict[str, Any]:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from engine.bench import bench_engine, cursor_prompts, format_report, heldout_files
+    from engine.bench import bench_engine, cursor_prompts, format_report, heldout_loss
+    from engine.corpus import heldout_stdlib_files
 
     engine = _load_engine(args)
-    files = [Path(f) for f in args.files] if args.files else heldout_files()
+    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"prompt file {missing[0]} does not exist")
@@ -109,6 +113,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     result = bench_engine(engine, prompts, max_new_tokens=args.max_new_tokens, ks=ks,
                           progress=progress)
+    result["heldout_loss"] = heldout_loss(engine, files)
     result["model"] = str(_model_dir(args))
     result["device"] = str(engine.runner.device)
     result["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
@@ -128,6 +133,43 @@ def cmd_new_model(args: argparse.Namespace) -> int:
           + (f" (training {args.train_steps} steps)" if args.train_steps else ""), file=sys.stderr)
     write_checkpoint(path, args.preset, seed=args.seed, train_steps=args.train_steps,
                      mtp_naming=args.naming)
+    print(path)
+    return 0
+
+
+def _log(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.heads_only:
+        return _train_heads(args)
+    from engine.bundled import install_bundled
+    from engine.train import TrainConfig, train
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = TrainConfig(out=args.out, preset=args.preset, steps=args.steps,
+                      batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      corpus_chars=int(args.corpus_mb * 1e6), seed=args.seed,
+                      save_every=args.save_every, device=device)
+    train(cfg, _log)
+    model_dir = Path(args.out) / "model"
+    if args.install:
+        _log(f"installed as the bundled model: {install_bundled(model_dir)}")
+    print(model_dir)
+    return 0
+
+
+def _train_heads(args: argparse.Namespace) -> int:
+    from engine.heads import corpus_batches, heads_for
+
+    model_dir = _model_dir(args)
+    batches = corpus_batches(model_dir, args.batch_size, args.seq_len, args.seed)
+    path = heads_for(model_dir, batches, steps=args.steps, lr=args.lr, log=_log)
     print(path)
     return 0
 
@@ -172,6 +214,25 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--json", help="write the results to this file")
     eng.set_defaults(func=cmd_bench_engine)
+
+    tr = sub.add_parser("train", help="train the bundled code model (resumes from OUT)")
+    tr.add_argument("--out", default="runs/ahead-small", help="run directory")
+    tr.add_argument("--preset", default="ahead-small")
+    tr.add_argument("--steps", type=int, default=6000)
+    tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--seq-len", type=int, default=256)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--corpus-mb", type=float, default=60.0, help="corpus size cap")
+    tr.add_argument("--save-every", type=int, default=200)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", help="default: cuda if available")
+    tr.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
+    tr.add_argument("--install", action="store_true",
+                    help="copy the trained model into the package as the bundled model")
+    tr.add_argument("--heads-only", action="store_true", help="train new MTP modules for the "
+                    "frozen model given by --model, saved beside it as mtp-heads.safetensors")
+    tr.add_argument("--model", help="with --heads-only: the model directory")
+    tr.set_defaults(func=cmd_train)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
                          "ahead and for tests; random or briefly trained weights)")

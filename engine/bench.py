@@ -9,38 +9,31 @@ from __future__ import annotations
 
 import random
 import statistics
-import sysconfig
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from engine.generate import Engine, Generation, GenParams
-
-
-def heldout_files() -> list[Path]:
-    """The default prompt source: standard-library modules held out by a fixed rule.
-
-    The rule (crc32 of the file name divisible by 10) is the one training uses to keep these
-    files out of the training set.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(f for f in root.glob("*.py") if zlib.crc32(f.name.encode()) % 10 == 0)
 
 
 @dataclass(slots=True)
 class Prompt:
     source: str
     ids: list[int]
+    line: str  # the rest of the line at the cursor, as the file has it
 
 
 def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
-                   max_tokens: int, prefix_chars: int = 1500,
-                   suffix_chars: int = 500) -> list[Prompt]:
-    """FIM prompts cut at random cursor positions (start of a non-blank line's code),
-    shortened from the far ends until they fit `max_tokens`."""
+                   max_tokens: int, prefix_chars: int = 1500, suffix_chars: int = 500,
+                   middle_lines: int = 4) -> list[Prompt]:
+    """FIM prompts as an editor makes them: the cursor at the start of a random non-blank
+    line's code, the next `middle_lines` lines taken out (the code to write), the text before
+    and after as prefix and suffix, shortened from the far ends to fit `max_tokens`."""
     rng = random.Random(seed)
     texts = []
     for f in files:
@@ -48,25 +41,54 @@ def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
             texts.append((f, f.read_text(encoding="utf-8")))
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read prompt file {f}: {e}") from None
-    texts = [(f, t) for f, t in texts if len(t) > 200]
+    texts = [(f, t) for f, t in texts if len(t.splitlines()) > middle_lines + 2]
     if not texts:
-        raise ValueError("no usable prompt files (each needs over 200 characters of text)")
-    tok = engine.tokenizer
-    prompts = []
-    for _ in range(num):
+        raise ValueError(f"no usable prompt files (each needs over {middle_lines + 2} lines)")
+    prompts: list[Prompt] = []
+    while len(prompts) < num:
         f, text = rng.choice(texts)
         lines = text.splitlines(keepends=True)
-        i = rng.randrange(1, len(lines))
-        cut = sum(map(len, lines[:i])) + len(lines[i]) - len(lines[i].lstrip())
-        before, after = prefix_chars, suffix_chars
-        while True:
-            prefix, suffix = text[max(0, cut - before):cut], text[cut:cut + after]
-            ids = tok.fim_prompt(prefix, suffix) if tok.fim else tok.encode_text(prefix)
-            if len(ids) <= max_tokens or before < 16:
-                break
-            before, after = before * 3 // 4, after * 3 // 4
-        prompts.append(Prompt(f"{f.name}:{i + 1}", ids))
+        i = rng.randrange(1, len(lines) - middle_lines)
+        if not lines[i].strip():
+            continue
+        line_start = sum(map(len, lines[:i]))
+        cut = line_start + len(lines[i]) - len(lines[i].lstrip())
+        resume = line_start + sum(map(len, lines[i:i + middle_lines])) - 1  # keep the "\n"
+        ids = _fit(engine, text, cut, resume, prefix_chars, suffix_chars, max_tokens)
+        prompts.append(Prompt(f"{f.name}:{i + 1}", ids, lines[i][cut - line_start:].rstrip()))
     return prompts
+
+
+def _fit(engine: Engine, text: str, cut: int, resume: int, before: int, after: int,
+         max_tokens: int) -> list[int]:
+    tok = engine.tokenizer
+    while True:
+        prefix, suffix = text[max(0, cut - before):cut], text[resume:resume + after]
+        ids = tok.fim_prompt(prefix, suffix) if tok.fim else tok.encode_text(prefix)
+        if len(ids) <= max_tokens or before < 16:
+            return ids
+        before, after = before * 3 // 4, after * 3 // 4
+
+
+@torch.inference_mode()
+def heldout_loss(engine: Engine, files: list[Path], windows: int = 16,
+                 seq_len: int = 512) -> float:
+    """Mean next-token loss of the trunk on windows of the files' tokens."""
+    model = engine.model
+    ids: list[int] = []
+    for f in files:
+        ids += engine.tokenizer.encode_text(f.read_text(encoding="utf-8"))
+    seq_len = min(seq_len, len(ids) // 2, engine.runner.max_seq_len)
+    if seq_len < 8:
+        raise ValueError("too little text for a held-out loss")
+    rng = random.Random(0)
+    total = 0.0
+    for _ in range(windows):
+        s = rng.randrange(0, len(ids) - seq_len)
+        x = torch.tensor([ids[s:s + seq_len]], device=engine.runner.device)
+        logits, _ = model(x)
+        total += F.cross_entropy(logits[0, :-1].float(), x[0, 1:]).item()
+    return total / windows
 
 
 def _run(engine: Engine, prompt: Prompt, params: GenParams) -> Generation:
@@ -83,21 +105,24 @@ def bench_engine(engine: Engine, prompts: list[Prompt], *, max_new_tokens: int =
         modes |= {f"fixed.{k}": GenParams(max_new_tokens, k=k) for k in ks}
         modes["adaptive"] = GenParams(max_new_tokens)
     _run(engine, prompts[0], modes["adaptive" if engine.k_max else "ar"])  # warm-up
-    rates: dict[str, list[float]] = {m: [] for m in modes}
+    rates: dict[str, list[float | None]] = {m: [] for m in modes}
     steps: dict[str, list[int]] = {m: [0, 0] for m in modes}  # tokens, verify steps
     k_hist: Counter[int] = Counter()
     acc_pos: list[list[int]] = [[0, 0] for _ in range(engine.k_max)]
-    identical = True
+    identical, line_hits = True, 0
     for n, prompt in enumerate(prompts):
         ar_tokens: list[int] = []
         for mode, params in modes.items():
             gen = _run(engine, prompt, params)
             s = gen.stats
-            rates[mode].append((len(gen.tokens) - 1) / max(s.decode_s, 1e-9))
+            # A completion that ends after a few tokens says nothing about speed.
+            decoded = len(gen.tokens) - 1
+            rates[mode].append(decoded / s.decode_s if decoded >= 4 and s.decode_s else None)
             steps[mode][0] += s.steps + s.accepted
             steps[mode][1] += s.steps
             if mode == "ar":
                 ar_tokens = gen.tokens
+                line_hits += gen.text.split("\n", 1)[0].rstrip() == prompt.line
             identical &= gen.tokens == ar_tokens
             if mode == "adaptive":
                 k_hist.update(s.k_hist)
@@ -107,16 +132,24 @@ def bench_engine(engine: Engine, prompts: list[Prompt], *, max_new_tokens: int =
                     acc_pos[i][1] += v
         if progress:
             progress(n + 1, len(prompts))
-    return _summary(modes, rates, steps, k_hist, acc_pos, identical, len(prompts))
+    out = _summary(modes, rates, steps, k_hist, acc_pos, identical, len(prompts))
+    out["first_line_exact_match"] = line_hits / len(prompts)
+    return out
 
 
-def _summary(modes: dict[str, GenParams], rates: dict[str, list[float]],
+def _summary(modes: dict[str, GenParams], rates: dict[str, list[float | None]],
              steps: dict[str, list[int]], k_hist: Counter[int], acc_pos: list[list[int]],
              identical: bool, num_prompts: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"num_prompts": num_prompts, "identical_to_ar": identical}
+    timed = [i for i, r in enumerate(rates["ar"]) if r is not None]
+    if not timed:
+        raise ValueError("every completion ended within 4 tokens: nothing to time "
+                         "(try more prompts or other files)")
+    out: dict[str, Any] = {"num_prompts": num_prompts, "timed_prompts": len(timed),
+                           "identical_to_ar": identical}
     for mode in modes:
-        ratio = [r / a for r, a in zip(rates[mode], rates["ar"], strict=True)]
-        entry = {"tokens_per_s": statistics.median(rates[mode]),
+        mode_rates = [rates[mode][i] or 0.0 for i in timed]
+        ratio = [r / (rates["ar"][i] or 1.0) for r, i in zip(mode_rates, timed, strict=True)]
+        entry = {"tokens_per_s": statistics.median(mode_rates),
                  "tokens_per_step": steps[mode][0] / max(steps[mode][1], 1),
                  "speedup_vs_ar": statistics.median(ratio)}
         if mode.startswith("fixed."):
@@ -142,6 +175,10 @@ def format_report(result: dict[str, Any]) -> str:
     if "adaptive" in result:
         hist = " ".join(f"{k}:{v}" for k, v in result["adaptive"]["k_histogram"].items())
         lines.append(f"adaptive K histogram (K:steps): {hist}")
+    lines.append(f"first line exact match: {result['first_line_exact_match']:.2f}")
+    if "heldout_loss" in result:
+        lines.append(f"held-out loss (nats/token): {result['heldout_loss']:.3f}")
     lines.append(f"identical to autoregressive: {result['identical_to_ar']} "
-                 f"({result['num_prompts']} prompts, medians over prompts)")
+                 f"({result['num_prompts']} prompts, {result['timed_prompts']} timed, "
+                 "medians over prompts)")
     return "\n".join(lines)

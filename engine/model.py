@@ -55,6 +55,8 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
         self.chain_normed = cfg.mtp_naming in ("mimo", "mtp")
+        self.apply(_init_weights)
+
 
     @property
     def num_mtp(self) -> int:
@@ -102,3 +104,12 @@ class Transformer(nn.Module):
             for i in range(self.num_mtp)
         ]
         return self.head(h), mtp_logits
+
+
+def _init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """HF's initialisation: N(0, 0.02) matrices, zero biases. PyTorch's N(0, 1) embedding
+    would give a tied head logits with a standard deviation of sqrt(hidden_size)."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -128,6 +128,12 @@ class Tokenizer:
         return [*self.bos_ids, *context, fim.prefix, *self.encode_text(prefix),
                 fim.suffix, *self.encode_text(suffix), fim.middle]
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode_text` for many texts at once, in parallel (training data)."""
+        if self._prefix_space:
+            return [self.encode_text(t) for t in texts]
+        return [e.ids for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+
     def encode_text(self, text: str) -> list[int]:
         """Ids of exactly `text` as plain text: special-token strings and all.
 

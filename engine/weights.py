@@ -33,6 +33,8 @@ _MODULE_NAMES = {
     "mtp": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
             "norm": "norm"},
 }
+# MTP modules trained for a model that had none (`ahead train --heads-only`), kept beside it.
+HEADS_FILE = "mtp-heads.safetensors"
 # Copies of the shared embedding and head that some DeepSeek-style checkpoints store per module.
 _SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
@@ -84,7 +86,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
                 and all(isinstance(f, str) for f in weight_map.values())):
             raise CheckpointError(f"{index}: weight_map is not an object of tensor -> file name")
         return {name: model_dir / fname for name, fname in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != HEADS_FILE)
     if not files:
         raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
     out: dict[str, Path] = {}
@@ -130,8 +132,11 @@ def _valid_entry(info: object) -> bool:
 
 
 def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build the model from config.json + safetensors, straight onto `device` in `dtype`."""
+               dtype: torch.dtype = torch.float32, heads: bool = True) -> Transformer:
+    """Build the model from config.json + safetensors, straight onto `device` in `dtype`.
+
+    A heads file beside a checkpoint without MTP modules adds its modules (unless `heads`
+    is False)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -140,6 +145,8 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
     naming = detect_mtp_naming(files, cfg)
     if naming is not None:
         cfg = cfg.with_(mtp_naming=naming)
+    if heads and (model_dir / HEADS_FILE).exists():
+        cfg = _add_heads(model_dir / HEADS_FILE, cfg, files)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {to_checkpoint_name(n, cfg): (n, tuple(p.shape))
@@ -148,6 +155,22 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
     state = _read_tensors(expected, files, torch.device(device), dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()
+
+
+def _add_heads(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> ModelConfig:
+    if cfg.num_mtp_modules:
+        raise CheckpointError(f"{path}: the checkpoint has MTP modules of its own; "
+                              "remove one of the two")
+    names = read_header(path)
+    try:
+        with safe_open(str(path), framework="pt") as st:
+            meta = st.metadata() or {}
+        cfg = cfg.with_(num_mtp_modules=int(meta["num_mtp_modules"]),
+                        mtp_naming=meta["mtp_naming"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a heads file (metadata {e})") from None
+    files.update(dict.fromkeys(names, path))
+    return cfg
 
 
 def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
