@@ -155,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(out=args.out, preset=args.preset, steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       corpus_chars=int(args.corpus_mb * 1e6), seed=args.seed,
-                      save_every=args.save_every, device=device)
+                      save_every=args.save_every, head_steps=args.head_steps, device=device)
     train(cfg, _log)
     model_dir = Path(args.out) / "model"
     if args.install:
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--corpus-mb", type=float, default=60.0, help="corpus size cap")
     tr.add_argument("--save-every", type=int, default=200)
+    tr.add_argument("--head-steps", type=int, default=0,
+                    help="then train the MTP module alone as decoding chains it")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", help="default: cuda if available")
     tr.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")

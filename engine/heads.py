@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from engine.chain_loss import chained_distill_loss
 from engine.corpus import collect, source_roots
 from engine.layers import rope_tables
 from engine.model import MTPModule, Transformer
@@ -65,7 +66,9 @@ def train_heads(model: Transformer, batches: Batches, *, steps: int, lr: float =
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     losses, t0 = [], time.perf_counter()
     for step in range(1, steps + 1):
-        loss = distill_loss(model.train(), batches())
+        # One module is trained as decoding chains it; several get the depth-1 objective.
+        one = model.num_mtp == 1
+        loss = (chained_distill_loss if one else distill_loss)(model.train(), batches())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.chain_loss import chained_distill_loss
 from engine.config import PRESETS
 from engine.corpus import collect, source_roots, write_manifest
 from engine.losses import lm_losses
@@ -48,6 +49,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
     eval_batches: int = 8
+    head_steps: int = 0  # then this many steps of chained self-distillation of the MTP module
+    head_lr: float = 5e-4
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -175,8 +178,39 @@ def train(cfg: TrainConfig, log: Log = print) -> Transformer:
             log(f"step {step}: held-out loss {history[-1]['heldout_loss']:.3f} "
                 f"(mtp {history[-1]['heldout_mtp_loss']:.3f})")
             _save(out / "ckpt.pt", model, opt, rng, step, history)
+    if cfg.head_steps:
+        # Not resumable on its own: a rerun tunes again from the main checkpoint.
+        history.append(tune_heads(model, batches, heldout, tok, cfg, log))
     export(model, tok, out / "model", cfg, history)
     return model
+
+
+def tune_heads(model: Transformer, batches: Batches, heldout: np.ndarray, tok: Tokenizer,
+               cfg: TrainConfig, log: Log) -> dict[str, float]:
+    """Chained self-distillation of the MTP module with the trunk frozen (see chain_loss)."""
+    if model.num_mtp != 1 or model.cfg.mtp_layers_per_module != 1:
+        raise ValueError("chained head tuning needs exactly one single-block MTP module")
+    params = [p for n, p in model.named_parameters() if n.startswith("mtp.")]
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("mtp."))
+    opt = torch.optim.AdamW(params, lr=cfg.head_lr, weight_decay=0.0)
+    t0 = time.perf_counter()
+    for step in range(1, cfg.head_steps + 1):
+        loss = chained_distill_loss(model.train(), batches().to(cfg.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 10 == 0 or step == cfg.head_steps:
+            log(f"head step {step}/{cfg.head_steps} chained distillation {loss.item():.3f} "
+                f"({time.perf_counter() - t0:.0f} s)")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    with torch.no_grad():
+        x = Batches(heldout, tok, cfg, np.random.default_rng(12345))().to(cfg.device)
+        held = chained_distill_loss(model.eval(), x).item()
+    log(f"head tuning done: held-out chained distillation loss {held:.3f}")
+    return {"head_steps": cfg.head_steps, "heldout_chained_kl": held}
 
 
 @torch.no_grad()

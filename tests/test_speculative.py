@@ -142,3 +142,19 @@ def test_prefix_reuse_gives_the_same_output(trained_engine: Engine) -> None:
     assert third.stats.reused_tokens == 4
     trained_engine.runner.reset()
     assert trained_engine.generate(edited, GenParams(max_new_tokens=20, k=4)).tokens == third.tokens
+
+
+def test_chained_training_sees_what_decoding_sees(random_engine: Engine) -> None:
+    """Depth-d logits of the chained training loss at the last row are the logits decoding
+    drafts token d from, when the chain's inputs are the drafts themselves."""
+    from engine.chain_loss import chain_logits
+
+    model = random_engine.model
+    with torch.inference_mode():
+        for prompt in chain_prompts(3, seed=8):
+            seq = [*prompt, CHAIN_VOCAB[3]]
+            drafts = reference_drafts(model, seq, 3)
+            tokens = torch.tensor([seq + drafts[:2] + [0, 0]])  # the two pads end the rows
+            students, _ = chain_logits(model, tokens, depth=3)
+            row = len(seq) - 2  # depth 1 sits at position N-1
+            assert [int(s[0, row].argmax()) for s in students] == drafts

@@ -100,3 +100,15 @@ def test_a_heads_file_beside_a_model_with_heads_is_refused(tmp_path: Path) -> No
     save_heads(with_new_heads(load_model(tmp_path, heads=False)), tmp_path)
     with pytest.raises(CheckpointError, match="MTP modules of its own"):
         load_model(tmp_path)
+
+
+def test_head_tuning_phase_runs_after_training(tmp_path: Path) -> None:
+    cfg = replace(micro(tmp_path, 5), preset="tiny-llama", head_steps=15, head_lr=3e-3)
+    logs: list[str] = []
+    train(cfg, logs.append)
+    kls = [float(line.split("distillation ")[1].split()[0]) for line in logs
+           if line.startswith("head step")]
+    assert len(kls) == 2 and kls[-1] < kls[0]
+    history = json.loads((tmp_path / "model" / "training.json").read_text())["history"]
+    assert history[-1]["head_steps"] == 15
+    assert load_model(tmp_path / "model").num_mtp == 1
