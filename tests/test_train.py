@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from engine.corpus import collect, is_heldout, source_roots
 from engine.generate import Engine, GenParams
@@ -112,3 +113,14 @@ def test_head_tuning_phase_runs_after_training(tmp_path: Path) -> None:
     history = json.loads((tmp_path / "model" / "training.json").read_text())["history"]
     assert history[-1]["head_steps"] == 15
     assert load_model(tmp_path / "model").num_mtp == 1
+
+
+def test_the_trained_trunk_loads_in_transformers(tmp_path: Path) -> None:
+    """The shipped layout is a Qwen3 checkpoint plus MTP tensors transformers ignores."""
+    train(micro(tmp_path, 2), lambda _: None)
+    ours = load_model(tmp_path / "model")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (1, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens)[0], theirs(tokens).logits, atol=1e-4, rtol=1e-4)
