@@ -1,0 +1,218 @@
+"""The wire protocol between `ahead serve` and its clients (editors' `ahead lsp`, the CLI, hooks).
+
+Each frame is a 4-byte big-endian length, then a msgpack body: one of the tagged `msgspec`
+structs below (`op` names the type). The first frame a client sends is `Hello`; the daemon
+answers `Welcome`, or an `Error` with code `version` when the protocol versions differ.
+A request carries a client-chosen `id`; its answer streams as `Chunk`s and ends with exactly
+one `Done` or `Error` of that id. Frames over MAX_FRAME_BYTES are refused. This module imports
+no torch: clients load it in well under a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+HEADER_BYTES = 4
+
+Priority = Literal["editor", "cli", "batch"]
+
+
+class FrameError(Exception):
+    """A frame that cannot be read; the connection is not usable after it."""
+
+
+class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+# Client to daemon.
+
+class Hello(_Msg, tag="hello"):
+    version: int
+    client: str = "unknown"
+
+
+class ContextChunk(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+    text: str
+
+
+class Complete(_Msg, tag="complete"):
+    """Fill in the middle at the cursor of a document (text, not tokens: the daemon builds
+    the model's own prompt)."""
+
+    id: int
+    session: str
+    document: str
+    prefix: str
+    suffix: str = ""
+    extra: list[ContextChunk] = []
+    language: str = ""
+    path: str = ""
+    max_tokens: int = 64
+    multiline: bool = True
+    budget_ms: int | None = None
+    temperature: float = 0.0
+    priority: Priority = "editor"
+
+
+class Generate(_Msg, tag="generate"):
+    id: int
+    prompt: str
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = []
+    k: int | None = None
+    speculative: bool = True
+    budget_ms: int | None = None
+    priority: Priority = "cli"
+
+
+class Cancel(_Msg, tag="cancel"):
+    id: int
+
+
+class Status(_Msg, tag="status"):
+    id: int
+
+
+class Reload(_Msg, tag="reload"):
+    id: int
+    model: str | None = None
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    id: int
+
+
+class Feedback(_Msg, tag="feedback"):
+    """What became of a shown suggestion, for the daemon's stats."""
+
+    id: int
+    request: int
+    event: Literal["shown", "accepted", "partial", "dismissed"]
+    chars: int = 0
+
+
+# Daemon to client.
+
+class Welcome(_Msg, tag="welcome"):
+    version: int
+    model: str
+    pid: int
+
+
+class Chunk(_Msg, tag="chunk"):
+    id: int
+    text: str
+
+
+class RequestStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    prefill_tokens: int = 0
+    reused_tokens: int = 0
+    queue_ms: float = 0.0
+    engine_ms: float = 0.0
+    total_ms: float = 0.0
+    typed_through: bool = False
+    k_histogram: dict[int, int] = {}
+
+
+class Done(_Msg, tag="done"):
+    id: int
+    text: str
+    finish_reason: str
+    stats: RequestStats = msgspec.field(default_factory=RequestStats)
+
+
+class Error(_Msg, tag="error"):
+    id: int | None
+    code: str  # "version", "bad_frame", "bad_request", "cancelled", "overloaded", "internal"...
+    message: str
+
+
+class Progress(_Msg, tag="progress"):
+    message: str
+    fraction: float | None = None
+
+
+class StatusReply(_Msg, tag="status_reply"):
+    id: int
+    info: dict[str, Any]
+
+
+Request = Hello | Complete | Generate | Cancel | Status | Reload | Shutdown | Feedback
+Reply = Welcome | Chunk | Done | Error | Progress | StatusReply
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """One frame: the length, then the body."""
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return len(body).to_bytes(HEADER_BYTES, "big") + body
+
+
+def request_decoder() -> msgspec.msgpack.Decoder[Request]:
+    """A decoder of client frames; the server makes one per connection."""
+    return msgspec.msgpack.Decoder(Request)
+
+
+def reply_decoder() -> msgspec.msgpack.Decoder[Reply]:
+    return msgspec.msgpack.Decoder(Reply)
+
+
+def _length(header: bytes, max_bytes: int) -> int:
+    n = int.from_bytes(header, "big")
+    if n > max_bytes:
+        raise FrameError(f"frame of {n} bytes exceeds the limit of {max_bytes}")
+    return n
+
+
+async def read_frame(reader: asyncio.StreamReader,
+                     max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
+    """The next frame's body; None at a clean end of stream (between frames)."""
+    try:
+        header = await reader.readexactly(HEADER_BYTES)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise FrameError("connection closed inside a frame header") from None
+    n = _length(header, max_bytes)
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise FrameError(f"connection closed after {len(e.partial)} of {n} bytes") from None
+
+
+def read_frame_sync(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
+    """Blocking `read_frame` for short-lived clients."""
+    header = _recv_exactly(sock, HEADER_BYTES, allow_eof=True)
+    if header is None:
+        return None
+    body = _recv_exactly(sock, _length(header, max_bytes), allow_eof=False)
+    assert body is not None
+    return body
+
+
+def _recv_exactly(sock: socket.socket, n: int, *, allow_eof: bool) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            if allow_eof and not buf:
+                return None
+            raise FrameError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
