@@ -1,0 +1,61 @@
+"""Completion prompts from editor text: FIM with the model's own tokens, cut to a token budget.
+
+Clients send generous character windows; the budget is enforced here in tokens, cutting at
+line boundaries: the prefix keeps its last lines, the suffix its first lines, and context
+chunks from other files fill what room is left, most recent first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.tokenizer import Tokenizer
+
+
+def _fit_lines(tok: Tokenizer, lines: list[str], budget: int, *, from_end: bool) -> str:
+    """The most lines (from the end or the start) whose text encodes within `budget` tokens."""
+    lo, hi = 0, len(lines)
+    while lo < hi:  # binary search on how many lines to keep
+        mid = (lo + hi + 1) // 2
+        text = "".join(lines[-mid:] if from_end else lines[:mid])
+        if len(tok.encode_text(text)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "".join(lines[len(lines) - lo:] if from_end else lines[:lo])
+
+
+def completion_prompt(tok: Tokenizer, prefix: str, suffix: str, *, max_tokens: int,
+                      extra: Sequence[tuple[str, str]] = (), suffix_share: float = 0.2,
+                      extra_share: float = 0.2) -> list[int]:
+    """Token ids of a FIM prompt within `max_tokens` (a plain prefix if the model has no FIM).
+
+    The suffix and the context chunks get at most their shares; the prefix gets the rest. The
+    line the cursor is on is kept whole on the prefix side (cut from its start only if it
+    alone exceeds the budget), since the completion continues it.
+    """
+    if max_tokens < 16:
+        raise ValueError(f"a prompt budget of {max_tokens} tokens is too small")
+    room = max_tokens - 8 - len(tok.bos_ids)  # FIM markers and separators
+    kept_suffix = ""
+    if tok.fim and suffix:
+        kept_suffix = _fit_lines(tok, suffix.splitlines(keepends=True),
+                                 int(room * suffix_share), from_end=False)
+    chunks, left = [], int(room * extra_share) if tok.fim else 0
+    for path, text in extra:  # most relevant first; each whole or not at all
+        cost = len(tok.encode_text(f"{path}\n{text}")) + 2
+        if cost <= left:
+            chunks.append((path, text))
+            left -= cost
+    budget = room - len(tok.encode_text(kept_suffix)) - (int(room * extra_share) - left
+                                                         if tok.fim else 0)
+    body = prefix.splitlines(keepends=True)
+    current = "" if not body or body[-1].endswith("\n") else body.pop()
+    current_ids = tok.encode_text(current)
+    if len(current_ids) > budget:  # one enormous line
+        kept_prefix = tok.decode(current_ids[-budget:])
+    else:
+        kept_prefix = _fit_lines(tok, body, budget - len(current_ids), from_end=True) + current
+    if not tok.fim:
+        return [*tok.bos_ids, *tok.encode_text(kept_prefix)]
+    return tok.fim_prompt(kept_prefix, kept_suffix, extra=chunks)
