@@ -60,6 +60,7 @@ class Stats:
     verified_by_pos: list[int] = field(default_factory=list)  # drafts reached at position i
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    resumed: int = 0  # times the cache was rebuilt after another generation ran
 
 
 class Engine:
@@ -128,7 +129,8 @@ class Generation(Iterator[Step]):
         self.engine, self.prompt, self.params = engine, list(prompt), params
         self.sampler = Sampler(params.temperature, params.top_p, params.seed, engine.runner.device)
         self.use_mtp = params.speculative and engine.k_max > 0
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []  # the output, up to a stop
+        self._committed: list[int] = []  # every token the runner committed for this sequence
         self.text = ""
         self.finish_reason: str | None = None
         self.stats = Stats(prompt_tokens=len(prompt))
@@ -150,6 +152,11 @@ class Generation(Iterator[Step]):
             self.stats.prefill_s = time.perf_counter() - t0
             step = self._commit([first], k=0, accepted=0)
         else:
+            if r.owner is not self:  # another generation ran in between: take the cache back
+                r.restore(self.prompt + self._committed[:-1], self._committed[-1])
+                self.stats.resumed += 1
+                self._draft_next()
+                t0 = time.perf_counter() - self._draft_s  # the rebuild is not a step's cost
             k = r.num_drafts
             if r.length + k + 1 > r.max_seq_len:
                 self.finish("length")  # the context is full
@@ -159,6 +166,7 @@ class Generation(Iterator[Step]):
             self._record(k, len(new) - 1, seconds)
             step = self._commit(new, k=k, accepted=len(new) - 1)
             self.stats.decode_s += time.perf_counter() - t0 + self._draft_s
+        r.owner = self
         if self.finish_reason is None:
             self._draft_next()
         return step
@@ -196,6 +204,7 @@ class Generation(Iterator[Step]):
 
     def _commit(self, new: list[int], *, k: int, accepted: int) -> Step:
         """Append tokens up to a stop token or the token limit, then apply stop strings."""
+        self._committed.extend(new)
         kept: list[int] = []
         for tok in new:
             if tok in self._stop_ids:

@@ -88,6 +88,7 @@ class Runner:
         self.pending = 0
         self.mtp_len = 0  # module entries are valid for positions < mtp_len
         self.num_drafts = 0
+        self.owner: object | None = None  # the generation whose sequence this state is
 
     @property
     def length(self) -> int:
@@ -101,12 +102,13 @@ class Runner:
         return self.rope[0][pos], self.rope[1][pos]
 
     def reset(self) -> None:
-        self.cached, self.mtp_len, self.num_drafts = [], 0, 0
+        self.cached, self.mtp_len, self.num_drafts, self.owner = [], 0, 0, None
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], sampler: Sampler, chunk: int = 512) -> tuple[int, int]:
-        """Run the prompt (reusing the cached common prefix). Returns (first token, reused)."""
-        n = len(prompt)
+    def sync(self, tokens: list[int], chunk: int = 512) -> int:
+        """Make the trunk cache hold exactly `tokens`, reusing the longest common prefix with
+        what it holds. Returns how many positions were reused."""
+        n = len(tokens)
         if n == 0:
             raise ValueError("empty prompt")
         if n + self.k_max + 2 > self.max_seq_len:
@@ -114,17 +116,30 @@ class Runner:
                                   f"{self.max_seq_len} (with {self.k_max + 2} spare)")
         # Module entry t depends on x_{t+1}, so c reusable trunk positions leave c - 1 reusable
         # module entries; the trunk restarts there too (and always runs the last token).
-        start = max(0, min(common_prefix(self.cached, prompt), n) - 1)
-        tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        start = max(0, min(common_prefix(self.cached, tokens), n) - 1)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         for s in range(start, n, chunk):
             e = min(s + chunk, n)
             pos = self.positions[s:e]
-            self.hidden[:, s:e] = self.model.trunk(tokens[:, s:e], self._rope(pos), pos,
+            self.hidden[:, s:e] = self.model.trunk(ids[:, s:e], self._rope(pos), pos,
                                                    self.trunk_kv, self._mask(pos, e - 1))
-        first, _ = sampler.pick(self.model.head(self.hidden[:, n - 1]))
-        self.cached, self.pending = list(prompt), int(first)
+        self.cached = list(tokens)
         self.mtp_len, self.num_drafts = min(self.mtp_len, start), 0
-        return self.pending, start
+        return start
+
+    def prefill(self, prompt: list[int], sampler: Sampler) -> tuple[int, int]:
+        """Run the prompt (reusing the cached common prefix). Returns (first token, reused)."""
+        reused = self.sync(prompt)
+        with torch.inference_mode():
+            first, _ = sampler.pick(self.model.head(self.hidden[:, len(prompt) - 1]))
+        self.pending = int(first)
+        return self.pending, reused
+
+    def restore(self, tokens: list[int], pending: int) -> int:
+        """Return to a sequence another one interrupted: `tokens` run, `pending` next."""
+        reused = self.sync(tokens)
+        self.pending = pending
+        return reused
 
     def _catch_up(self, chunk: int = 512) -> Tensor:
         """Bring every module's cache up to the trunk; module 0's output at N-1 [1, 1, H]."""

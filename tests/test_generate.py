@@ -73,3 +73,18 @@ def test_a_model_without_mtp_modules_decodes_autoregressively(tmp_path: Path) ->
     assert engine.k_max == 0
     gen = engine.generate(PROMPT, GenParams(max_new_tokens=10, k=4))
     assert len(gen.tokens) == 10 and set(gen.stats.k_hist) == {0}
+
+
+def test_interleaved_generations_equal_solo_ones(trained_engine: Engine) -> None:
+    """Steps of several generations can alternate: each takes the cache back (reusing the
+    common prefix) and its output is unchanged. This is what lets the daemon switch work."""
+    prompts = [PROMPT, [*PROMPT[:5], CHAIN_VOCAB[40]], [CHAIN_VOCAB[7]] * 9]
+    solo = [trained_engine.generate(p, GenParams(max_new_tokens=30, k=3)).tokens for p in prompts]
+    gens = [trained_engine.start(p, GenParams(max_new_tokens=30, k=3)) for p in prompts]
+    live = list(gens)
+    while live:
+        for g in list(live):
+            if next(g, None) is None:
+                live.remove(g)
+    assert [g.tokens for g in gens] == solo
+    assert all(g.stats.resumed > 0 for g in gens)
