@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clients import daemon_cmds
+
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -235,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "frozen model given by --model, saved beside it as mtp-heads.safetensors")
     tr.add_argument("--model", help="with --heads-only: the model directory")
     tr.set_defaults(func=cmd_train)
+
+    daemon_cmds.add_parsers(sub, _add_model_args, _load_engine, _model_dir)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
                          "ahead and for tests; random or briefly trained weights)")

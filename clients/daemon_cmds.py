@@ -1,0 +1,78 @@
+"""`ahead serve` and `ahead status`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+
+def cmd_serve(args: argparse.Namespace, load_engine: Any, model_dir: Any) -> int:
+    from daemon import paths
+    from daemon.server import AlreadyRunning, InstanceLock, Server
+
+    lock = InstanceLock(paths.lock_path())
+    try:
+        lock.acquire()  # before the slow model load: a second daemon fails at once
+    except AlreadyRunning as e:
+        print(f"ahead: error: {e} on {paths.socket_path()}", file=sys.stderr)
+        return 1
+    log_file = paths.state_dir() / "daemon.log"
+    handlers: list[logging.Handler] = [logging.FileHandler(log_file)]
+    if args.ready_fd is None:
+        handlers.append(logging.StreamHandler())
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = load_engine(args)
+    server = Server(engine, paths.socket_path(), lock, model_name=str(model_dir(args)),
+                    idle_timeout=args.idle_timeout)
+
+    def ready() -> None:
+        if args.ready_fd is not None:  # started by a client: say so, then detach from it
+            os.write(args.ready_fd, b"ready\n")
+            fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            for target in (args.ready_fd, 1, 2):
+                os.dup2(fd, target)
+            os.close(fd)
+
+    asyncio.run(server.serve(on_ready=ready))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from daemon.client import Client, DaemonUnavailable
+
+    async def ask() -> dict:
+        client = Client(autostart=False)
+        try:
+            return await client.status()
+        finally:
+            await client.close()
+
+    try:
+        info = asyncio.run(ask())
+    except DaemonUnavailable as e:
+        print(f"ahead: no daemon running ({e})", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+def add_parsers(sub: Any, model_args: Any, load_engine: Any, model_dir: Any) -> None:
+    serve = sub.add_parser("serve", help="run the daemon that keeps the model resident")
+    model_args(serve)
+    serve.add_argument("--idle-timeout", type=float, default=1800.0,
+                       help="exit after this many idle seconds (0: never)")
+    serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    serve.set_defaults(func=lambda a: cmd_serve(a, load_engine, model_dir))
+    status = sub.add_parser("status", help="what the daemon is doing, and its statistics")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)

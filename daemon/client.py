@@ -1,0 +1,193 @@
+"""Talking to `ahead serve`: an asyncio client that starts the daemon when nobody answers.
+
+Imports no torch. One connection carries many requests; replies are routed by request id.
+If the daemon dies, requests in flight fail with `DaemonUnavailable` and the next request
+reconnects, starting a new daemon if need be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from daemon import paths
+from daemon import protocol as p
+
+
+class DaemonUnavailable(ConnectionError):
+    """The daemon could not be reached or started, or went away mid-request."""
+
+    def __init__(self, message: str, *, before_any_reply: bool = False) -> None:
+        super().__init__(message)
+        self.before_any_reply = before_any_reply
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+def start_daemon(args: list[str], timeout: float) -> None:
+    """Start `ahead serve` detached, and wait until it says it listens (or why it cannot)."""
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--ready-fd", "1", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    # The daemon outlives this call; a waiting thread reaps it whenever it exits.
+    threading.Thread(target=proc.wait, name="ahead-daemon-reaper", daemon=True).start()
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = _readline(proc, timeout)
+    finally:
+        proc.stdout.close()
+    if line.strip() != b"ready":
+        err = proc.stderr.read().decode(errors="replace").strip()
+        if "another ahead daemon is running" in err:
+            return  # someone else started it first: fine
+        raise DaemonUnavailable(f"the daemon did not start: {err or 'no answer'}")
+    proc.stderr.close()
+
+
+def _readline(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise DaemonUnavailable(f"the daemon did not get ready within {timeout:.0f} s")
+    return proc.stdout.readline()
+
+
+class Client:
+    def __init__(self, socket_path: Path | None = None, *, autostart: bool = True,
+                 serve_args: list[str] | None = None, start_timeout: float = 120.0,
+                 client_name: str = "ahead") -> None:
+        self.socket_path = socket_path or paths.socket_path()
+        self.autostart, self.serve_args = autostart, serve_args or []
+        self.start_timeout, self.client_name = start_timeout, client_name
+        self.welcome: p.Welcome | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._queues: dict[int, asyncio.Queue[p.Reply | None]] = {}
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def connect(self) -> p.Welcome:
+        """Connect and greet; start the daemon if nobody answers (a stale socket of a killed
+        daemon included)."""
+        async with self._lock:
+            if self._writer is not None and self.welcome is not None:
+                return self.welcome
+            try:
+                return await self._handshake()
+            except (OSError, p.FrameError) as e:
+                if not self.autostart:
+                    raise DaemonUnavailable(f"no daemon answers on {self.socket_path}: "
+                                            f"{e}") from None
+            await asyncio.to_thread(start_daemon, self.serve_args, self.start_timeout)
+            try:
+                return await self._handshake()
+            except (OSError, p.FrameError) as e:
+                raise DaemonUnavailable(f"the daemon started but does not answer: {e}") from None
+
+    async def _handshake(self) -> p.Welcome:
+        reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
+        writer.write(p.encode(p.Hello(version=p.PROTOCOL_VERSION, client=self.client_name)))
+        reply = await _read_reply(reader)
+        if not isinstance(reply, p.Welcome):
+            writer.close()
+            if isinstance(reply, p.Error):
+                raise RequestFailed(reply.code, reply.message)
+            raise ConnectionResetError(f"unexpected greeting {reply!r}")
+        self._writer, self.welcome = writer, reply
+        self._reader_task = asyncio.create_task(self._route(reader))
+        return reply
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self._writer.wait_closed()
+        if self._reader_task is not None:
+            await asyncio.gather(self._reader_task, return_exceptions=True)
+        self._writer = self.welcome = None
+
+    async def _route(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while (reply := await _read_reply(reader)) is not None:
+                req_id = getattr(reply, "id", None)
+                if req_id in self._queues:
+                    self._queues[req_id].put_nowait(reply)
+        except (p.FrameError, ConnectionError):
+            pass
+        finally:
+            self._writer = self.welcome = None
+            for q in self._queues.values():
+                q.put_nowait(None)  # the daemon went away
+
+    async def stream(self, msg: p.Complete | p.Generate | p.Status | p.Shutdown,
+                     ) -> AsyncIterator[p.Reply]:
+        """Send a request (its id is assigned here) and yield its replies to the last one."""
+        await self.connect()
+        msg.id = next(self._ids)
+        queue: asyncio.Queue[p.Reply | None] = asyncio.Queue()
+        self._queues[msg.id] = queue
+        answered = replied = False
+        try:
+            assert self._writer is not None
+            self._writer.write(p.encode(msg))
+            while not answered:
+                reply = await queue.get()
+                if reply is None:
+                    raise DaemonUnavailable("the daemon closed the connection",
+                                            before_any_reply=not replied)
+                replied = True
+                answered = isinstance(reply, p.Done | p.Error | p.StatusReply)
+                yield reply
+        finally:
+            del self._queues[msg.id]
+            if not answered and self._writer is not None:  # the caller gave up: stop the work
+                with contextlib.suppress(ConnectionError):
+                    self._writer.write(p.encode(p.Cancel(id=msg.id)))
+
+    async def run(self, msg: p.Complete | p.Generate) -> p.Done:
+        """The whole answer of a completion or generation. A request the daemon died before
+        answering at all is sent once more (to a restarted daemon): it has no side effects."""
+        for attempt in (1, 2):
+            try:
+                async for reply in self.stream(msg):
+                    if isinstance(reply, p.Error):
+                        raise RequestFailed(reply.code, reply.message)
+                    if isinstance(reply, p.Done):
+                        return reply
+            except DaemonUnavailable as e:
+                if attempt == 2 or not e.before_any_reply:
+                    raise
+        raise DaemonUnavailable("no answer")
+
+    async def status(self) -> dict:
+        async for reply in self.stream(p.Status(id=0)):
+            if isinstance(reply, p.StatusReply):
+                return reply.info
+        raise DaemonUnavailable("no status")
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(DaemonUnavailable):
+            async for _ in self.stream(p.Shutdown(id=0)):
+                pass
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> p.Reply | None:
+    body = await p.read_frame(reader)
+    return None if body is None else _decoder.decode(body)
+
+
+_decoder = p.reply_decoder()
+

@@ -1,0 +1,142 @@
+"""From protocol requests to scheduler jobs: prompts, typing through, and what a client hears.
+
+A `Complete` whose prefix is an earlier completion's prefix plus text that completion already
+produced (with the same suffix) is answered from that completion: instantly if it finished,
+else by following it as it runs. Anything else becomes a new job that supersedes the
+document's earlier ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from daemon import protocol as p
+from daemon.scheduler import PRIORITIES, Job, Scheduler
+from engine.generate import Engine, Generation, GenParams
+from engine.prompt import completion_prompt
+
+Send = Callable[[p.Reply], None]  # thread-safe: hands a frame to the connection's writer
+
+
+class Listener:
+    """One request's view of a job: streams its part of the text back to the client."""
+
+    def __init__(self, req_id: int, send: Send, skip: int = 0, *, typed_through: bool = False,
+                 on_end: Callable[[Listener], None] | None = None) -> None:
+        self.req_id, self.send, self.skip = req_id, send, skip
+        self.typed_through = typed_through
+        self.received = time.monotonic()
+        self.on_end = on_end
+        self.ended = False
+
+    def text(self, text: str) -> None:
+        self.send(p.Chunk(id=self.req_id, text=text))
+
+    def done(self, job: Job) -> None:
+        self.send(p.Done(id=self.req_id, text=job.text[self.skip:],
+                         finish_reason=job.finish_reason or "stop", stats=self.stats(job)))
+        self._end()
+
+    def error(self, code: str, message: str) -> None:
+        self.send(p.Error(id=self.req_id, code=code, message=message))
+        self._end()
+
+    def _end(self) -> None:
+        self.ended = True
+        if self.on_end:
+            self.on_end(self)
+
+    def stats(self, job: Job) -> p.RequestStats:
+        now = time.monotonic()
+        if self.typed_through:
+            return p.RequestStats(total_ms=(now - self.received) * 1000, typed_through=True)
+        s = job.gen.stats if job.gen else None
+        return p.RequestStats(
+            tokens=len(job.gen.tokens) if job.gen else 0,
+            steps=s.steps if s else 0, accepted=s.accepted if s else 0,
+            prefill_tokens=(s.prompt_tokens - s.reused_tokens) if s else 0,
+            reused_tokens=s.reused_tokens if s else 0,
+            queue_ms=((job.started or now) - job.created) * 1000,
+            engine_ms=job.engine_s * 1000, total_ms=(now - self.received) * 1000,
+            k_histogram=dict(s.k_hist) if s else {})
+
+
+@dataclass(slots=True)
+class _Last:
+    prefix: str
+    suffix: str
+    job: Job
+
+
+class Requests:
+    """Turns requests into jobs; remembers each document's last completion."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._last: dict[tuple[str, str], _Last] = {}
+        self.typed_through = 0
+        self.completions = 0
+
+    def complete(self, req: p.Complete, listener: Listener) -> Job | None:
+        """Start or join a completion; None when it was answered at once."""
+        self.completions += 1
+        key = (req.session, req.document)
+        hit = self._typed(key, req)
+        if hit is not None:
+            job, typed = hit
+            self.typed_through += 1
+            listener.skip, listener.typed_through = len(typed), True
+            earlier = list(job.listeners)
+            if self.scheduler.attach(job, listener):
+                for old in earlier:  # earlier requests are superseded; the job runs on
+                    self.scheduler.detach(job, old, "superseded")
+                return job
+            listener.done(job)  # it had finished: the rest of its text is the answer
+            return None
+        job = Job(make=self._fim_maker(req), listeners=[listener],
+                  priority=PRIORITIES[req.priority], key=key,
+                  deadline=_deadline(req.budget_ms), multiline=req.multiline)
+        self._last[key] = _Last(req.prefix, req.suffix, job)
+        return self.scheduler.submit(job)
+
+    def generate(self, req: p.Generate, listener: Listener) -> Job:
+        def make(engine: Engine) -> Generation:
+            ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(req.prompt)]
+            params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
+                               top_p=req.top_p, stop=tuple(req.stop), k=req.k,
+                               speculative=req.speculative)
+            return engine.start(ids, params)
+
+        job = Job(make=make, listeners=[listener], priority=PRIORITIES[req.priority],
+                  deadline=_deadline(req.budget_ms))
+        return self.scheduler.submit(job)
+
+    def _typed(self, key: tuple[str, str], req: p.Complete) -> tuple[Job, str] | None:
+        last = self._last.get(key)
+        if last is None or last.suffix != req.suffix or not req.prefix.startswith(last.prefix):
+            return None
+        typed = req.prefix[len(last.prefix):]
+        job = last.job
+        if job.cancelled or not job.text.startswith(typed):
+            return None
+        if job.finish_reason is not None and job.finish_reason not in ("stop", "length"):
+            return None  # an error or a deadline cut: its text is no promise of the rest
+        return job, typed
+
+    def _fim_maker(self, req: p.Complete) -> Callable[[Engine], Generation]:
+        def make(engine: Engine) -> Generation:
+            budget = engine.runner.max_seq_len - req.max_tokens - engine.k_max - 4
+            extra = [(c.path, c.text) for c in req.extra]
+            ids = completion_prompt(engine.tokenizer, req.prefix, req.suffix, max_tokens=budget,
+                                    extra=extra)
+            params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
+                               stop=() if req.multiline else ("\n",))
+            return engine.start(ids, params)
+
+        return make
+
+
+def _deadline(budget_ms: int | None) -> float | None:
+    return None if budget_ms is None else time.monotonic() + budget_ms / 1000

@@ -1,0 +1,210 @@
+"""The engine's one worker thread and the order in which it steps requests.
+
+Every loop iteration runs exactly one engine step (a prefill, or one draft+verify) of the most
+urgent live job: editor before CLI before batch, then first come first served. So a cancelled
+or superseded job stops within one step, and urgent work overtakes batch work between steps
+(the engine's generations interleave safely: each takes the KV cache back when it resumes).
+Results leave through each job's listeners, called on the worker thread: the server hands
+them to its event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.generate import Engine, Generation
+
+PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}
+
+
+class Listener(Protocol):
+    skip: int  # characters of the job's text this listener already has (typing through)
+
+    def text(self, text: str) -> None: ...
+    def done(self, job: Job) -> None: ...
+    def error(self, code: str, message: str) -> None: ...
+
+
+@dataclass(eq=False)
+class Job:
+    make: Callable[[Engine], Generation]  # builds the prompt; runs on the worker thread
+    listeners: list[Listener]
+    priority: int = 0
+    key: tuple[str, str] | None = None  # (session, document): a newer job supersedes
+    deadline: float | None = None  # time.monotonic() after which the text so far is final
+    multiline: bool = True
+    seq: int = 0
+    gen: Generation | None = None
+    text: str = ""
+    steps: int = 0
+    created: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    finished: float | None = None
+    engine_s: float = 0.0
+    cancelled: str | None = None  # why, once cancelled
+    finish_reason: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.cancelled is None and self.finish_reason is None
+
+
+@dataclass(slots=True)
+class Counters:
+    steps: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    superseded: int = 0
+    superseded_steps: int = 0  # engine steps spent on jobs that were later superseded
+    errors: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.counters = Counters()
+        self._jobs: list[Job] = []
+        self._cv = threading.Condition()
+        self._seq = 0
+        self._closed = False
+        self._stepping = False
+        self._thread = threading.Thread(target=self._loop, name="ahead-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._seq += 1
+            job.seq = self._seq
+            if job.key is not None:
+                for old in self._jobs:
+                    if old.key == job.key and old.live:
+                        self._cancel(old, "superseded")
+            self._jobs.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        with self._cv:
+            if job.live:
+                self._cancel(job, reason)
+
+    def running_for(self, key: tuple[str, str]) -> Job | None:
+        with self._cv:
+            return next((j for j in self._jobs if j.key == key and j.live), None)
+
+    def attach(self, job: Job, listener: Listener) -> bool:
+        """Add a listener to a live job (typing through); False if it has already ended.
+        The text the job has beyond the listener's `skip` is sent to it at once."""
+        with self._cv:
+            if not job.live:
+                return False
+            job.listeners.append(listener)
+            if len(job.text) > listener.skip:
+                listener.text(job.text[listener.skip:])
+            return True
+
+    def detach(self, job: Job, listener: Listener, reason: str = "cancelled") -> None:
+        """Drop one listener (telling it why); a job nobody listens to any more is cancelled."""
+        with self._cv:
+            if listener not in job.listeners:
+                return
+            job.listeners.remove(listener)
+            if job.live:
+                listener.error("cancelled", f"request {reason}")
+                if not job.listeners:
+                    self._cancel(job, reason)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no job is live and no step is running (False on timeout)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._stepping and
+                                     not any(j.live for j in self._jobs), timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._closed = True
+            for job in self._jobs:
+                if job.live:
+                    self._cancel(job, "shutdown")
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _cancel(self, job: Job, reason: str) -> None:
+        job.cancelled = reason
+        if reason == "superseded":
+            self.counters.superseded += 1
+            self.counters.superseded_steps += job.steps
+        else:
+            self.counters.cancelled += 1
+        for listener in job.listeners:
+            listener.error("cancelled", f"request {reason}")
+
+    def _next_job(self) -> Job | None:
+        with self._cv:
+            self._stepping = False
+            self._cv.notify_all()  # for wait_idle
+            while True:
+                self._jobs = [j for j in self._jobs if j.live]
+                if self._jobs:
+                    self._stepping = True
+                    return min(self._jobs, key=lambda j: (j.priority, j.seq))
+                if self._closed:
+                    return None
+                self._cv.wait()
+
+    def _loop(self) -> None:
+        while (job := self._next_job()) is not None:
+            try:
+                self._step(job)
+            except Exception as e:  # a bad request must not take the worker down
+                with self._cv:
+                    self.counters.errors += 1
+                    job.finish_reason = "error"
+                    for listener in job.listeners:
+                        listener.error(_code(e), str(e))
+
+    def _step(self, job: Job) -> None:
+        t0 = time.monotonic()
+        if job.gen is None:
+            job.started = t0
+            job.gen = job.make(self.engine)
+        step = next(job.gen, None)
+        job.engine_s += time.monotonic() - t0
+        with self._cv:
+            job.steps += 1
+            self.counters.steps += 1
+            if not job.live:  # cancelled while the step ran: its result goes nowhere
+                return
+            if step is not None and step.text:
+                self._emit(job, step.text)
+            reason = job.gen.finish_reason
+            if reason is None and job.deadline is not None and time.monotonic() >= job.deadline:
+                reason = "deadline"
+            if reason is not None or step is None:
+                self._finish(job, reason or "stop")
+
+    def _emit(self, job: Job, text: str) -> None:
+        start = len(job.text)
+        job.text += text
+        for listener in job.listeners:
+            if len(job.text) > listener.skip:
+                listener.text(job.text[max(start, listener.skip):])
+
+    def _finish(self, job: Job, reason: str) -> None:
+        if reason == "deadline" and job.multiline and "\n" in job.text:
+            job.text = job.text[: job.text.rindex("\n") + 1]  # whole lines only
+        job.finish_reason = reason
+        job.finished = time.monotonic()
+        self.counters.completed += 1
+        for listener in job.listeners:
+            listener.done(job)
+
+
+def _code(e: Exception) -> str:
+    return "bad_request" if isinstance(e, ValueError) else "internal"

@@ -1,0 +1,287 @@
+"""`ahead serve`: the resident model behind a private Unix socket.
+
+Lifecycle as uvicorn does it: `serve()` is startup (single-instance lock, stale socket
+cleanup, listen), the main loop (until SIGTERM, a shutdown request or the idle timeout), and
+shutdown (stop listening, cancel the jobs, close connections within a timeout, remove the
+socket). The engine runs on the scheduler's worker thread; the event loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from daemon import protocol as p
+from daemon.requests import Listener, Requests
+from daemon.scheduler import Job, Scheduler
+from engine.generate import Engine
+
+log = logging.getLogger("ahead.daemon")
+
+
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds the lock."""
+
+
+class InstanceLock:
+    """One daemon per user: an flock on a file that also records the holder's pid."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise AlreadyRunning(f"another ahead daemon is running (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+class Connection:
+    def __init__(self, server: Server, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.server, self.reader, self.writer = server, reader, writer
+        self.loop = asyncio.get_running_loop()
+        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.decoder = p.request_decoder()
+        self.jobs: dict[int, tuple[Job, Listener]] = {}
+        self.greeted = False
+
+    def send(self, msg: p.Reply) -> None:
+        """Thread-safe: the worker thread calls it through listeners."""
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, p.encode(msg))
+
+    async def run(self) -> None:
+        writer_task = asyncio.create_task(self._write())
+        try:
+            await self._read()
+        finally:
+            for job, listener in list(self.jobs.values()):  # the client went away
+                self.server.scheduler.detach(job, listener)
+            self.close_soon()
+            await writer_task
+            with contextlib.suppress(ConnectionError):
+                await self.writer.wait_closed()
+
+    def close_soon(self) -> None:
+        """Flush what is queued, then hang up (the read loop then sees the end)."""
+        self.outbox.put_nowait(None)
+
+    async def _write(self) -> None:
+        try:
+            while (frame := await self.outbox.get()) is not None:
+                self.writer.write(frame)
+                await self.writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            self.writer.close()
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                body = await p.read_frame(self.reader)
+            except p.FrameError as e:
+                self.send(p.Error(id=None, code="bad_frame", message=str(e)))
+                return  # the stream is out of step: close it
+            if body is None:
+                return
+            try:
+                msg = self.decoder.decode(body)
+            except msgspec.DecodeError as e:
+                self.send(p.Error(id=None, code="bad_request", message=str(e)))
+                continue
+            self.server.touch()
+            self.dispatch(msg)
+
+    def dispatch(self, msg: p.Request) -> None:
+        if not self.greeted and not isinstance(msg, p.Hello):
+            self.send(p.Error(id=None, code="bad_request", message="the first frame must be hello"))
+            return
+        match msg:
+            case p.Hello(version=version):
+                if version != p.PROTOCOL_VERSION:
+                    self.send(p.Error(id=None, code="version", message=(
+                        f"protocol version {version} is not supported; the daemon speaks "
+                        f"{p.PROTOCOL_VERSION} (restart the daemon or update the client)")))
+                    return
+                self.greeted = True
+                self.send(p.Welcome(version=p.PROTOCOL_VERSION, model=self.server.model_name,
+                                    pid=os.getpid()))
+            case p.Complete() | p.Generate():
+                self._start(msg)
+            case p.Cancel(id=req_id):
+                if req_id in self.jobs:
+                    job, listener = self.jobs[req_id]
+                    self.server.scheduler.detach(job, listener)
+            case p.Status(id=req_id):
+                self.send(p.StatusReply(id=req_id, info=self.server.status()))
+            case p.Feedback(event=event):
+                self.server.feedback[event] = self.server.feedback.get(event, 0) + 1
+            case p.Shutdown(id=req_id):
+                self.send(p.Done(id=req_id, text="", finish_reason="shutdown"))
+                self.server.stop()
+            case p.Reload(id=req_id):
+                self.send(p.Error(id=req_id, code="unsupported", message="reload is not "
+                                  "available yet: restart the daemon"))
+            case _:
+                self.send(p.Error(id=None, code="bad_request", message=f"unexpected {msg!r}"))
+
+    def _start(self, msg: p.Complete | p.Generate) -> None:
+        if msg.id in self.jobs:
+            self.send(p.Error(id=msg.id, code="bad_request", message=f"id {msg.id} is in use"))
+            return
+        listener = Listener(msg.id, self.send, on_end=self._ended)
+        requests = self.server.requests
+        job = requests.complete(msg, listener) if isinstance(msg, p.Complete) else \
+            requests.generate(msg, listener)
+        if job is not None and not listener.ended:
+            self.jobs[msg.id] = (job, listener)
+
+    def _ended(self, listener: Listener) -> None:
+        """Thread-safe: a request got its last frame."""
+        self.loop.call_soon_threadsafe(self._forget, listener)
+
+    def _forget(self, listener: Listener) -> None:
+        entry = self.jobs.get(listener.req_id)
+        if entry is not None and entry[1] is listener:
+            del self.jobs[listener.req_id]
+
+
+class Server:
+    def __init__(self, engine: Engine, socket_path: Path, lock: InstanceLock, *,
+                 model_name: str, idle_timeout: float = 0.0) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.socket_path, self.lock = socket_path, lock
+        self.idle_timeout = idle_timeout
+        self.scheduler = Scheduler(engine)
+        self.requests = Requests(self.scheduler)
+        self.feedback: dict[str, int] = {}
+        self.started = time.monotonic()
+        self.last_activity = self.started
+        self.connections: dict[asyncio.Task[None], Connection] = {}
+        self._stop: asyncio.Event | None = None
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        self._stop = asyncio.Event()
+        self.lock.acquire()
+        try:
+            server = await self._listen()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+            log.info("serving %s on %s", self.model_name, self.socket_path)
+            if on_ready:
+                on_ready()
+            await self._main_loop()
+            await self._shutdown(server)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+            self.lock.release()
+
+    async def _listen(self) -> asyncio.base_events.Server:
+        # We hold the lock, so a socket file left behind is a dead daemon's.
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        old = os.umask(0o177)  # the socket is born 0600
+        try:
+            server = await asyncio.start_unix_server(self._accept, path=str(self.socket_path))
+        finally:
+            os.umask(old)
+        os.chmod(self.socket_path, 0o600)
+        return server
+
+    async def _main_loop(self) -> None:
+        assert self._stop is not None
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+            idle = time.monotonic() - self.last_activity
+            if self.idle_timeout and not self.connections and idle > self.idle_timeout:
+                log.info("idle for %.0f s: exiting to give the GPU back", idle)
+                self._stop.set()
+
+    async def _shutdown(self, server: asyncio.base_events.Server, timeout: float = 5.0) -> None:
+        server.close()
+        self.scheduler.close()  # in-flight jobs end with a "shutdown" cancellation
+        for conn in self.connections.values():
+            conn.close_soon()
+        if self.connections:
+            _, pending = await asyncio.wait(list(self.connections), timeout=timeout)
+            for task in pending:
+                task.cancel()
+        await server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        uid = peer_uid(sock) if sock is not None else None
+        if uid != os.getuid():
+            log.warning("refused a connection from uid %s", uid)
+            writer.write(p.encode(p.Error(id=None, code="forbidden",
+                                          message="connections from other users are refused")))
+            writer.close()
+            return
+        self.touch()
+        task = asyncio.current_task()
+        assert task is not None
+        conn = self.connections[task] = Connection(self, reader, writer)
+        try:
+            await conn.run()
+        finally:
+            del self.connections[task]
+            self.touch()
+
+    def status(self) -> dict[str, Any]:
+        c, policy = self.scheduler.counters, self.engine.policy
+        return {"model": self.model_name, "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self.started, 1),
+                "connections": len(self.connections), "steps": c.steps,
+                "completed": c.completed, "cancelled": c.cancelled, "superseded": c.superseded,
+                "superseded_steps": c.superseded_steps, "errors": c.errors,
+                "completions": self.requests.completions,
+                "typed_through": self.requests.typed_through, "feedback": self.feedback,
+                "acceptance": {kind.value: [round(a, 3) for a in policy.rates(kind)]
+                               for kind in policy.accept},
+                "step_cost_ms": [round(cost * 1000, 3) for cost in policy.costs]}
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The connecting process's uid (SO_PEERCRED on Linux)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    return struct.unpack("3i", creds)[1]

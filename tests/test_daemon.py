@@ -1,0 +1,251 @@
+"""A real daemon on a temporary socket: requests, hostile input, faults and lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from daemon import protocol as p
+from daemon.client import Client
+from daemon.server import InstanceLock, Server
+from engine.generate import Engine
+
+TIMEOUT = 30
+
+
+@pytest.fixture
+async def daemon(trained_engine: Engine, tmp_path: Path) -> AsyncIterator[Server]:
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    server = Server(trained_engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+                    model_name="tiny")
+    ready = asyncio.Event()
+    task = asyncio.create_task(server.serve(on_ready=ready.set))
+    await asyncio.wait_for(ready.wait(), TIMEOUT)
+    yield server
+    server.stop()
+    await asyncio.wait_for(task, TIMEOUT)
+    assert not server.socket_path.exists()
+
+
+def client_for(server: Server) -> Client:
+    return Client(server.socket_path, autostart=False)
+
+
+async def raw(server: Server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_unix_connection(str(server.socket_path))
+
+
+async def replies(reader: asyncio.StreamReader) -> list[p.Reply]:
+    out, dec = [], p.reply_decoder()
+    while (body := await asyncio.wait_for(p.read_frame(reader), TIMEOUT)) is not None:
+        out.append(dec.decode(body))
+    return out
+
+
+async def hello(writer: asyncio.StreamWriter, reader: asyncio.StreamReader) -> None:
+    writer.write(p.encode(p.Hello(version=p.PROTOCOL_VERSION)))
+    body = await asyncio.wait_for(p.read_frame(reader), TIMEOUT)
+    assert body is not None and isinstance(p.reply_decoder().decode(body), p.Welcome)
+
+
+async def hang_up(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    await writer.wait_closed()
+
+
+PROMPT = "def add(a, b):\n    return"
+
+
+async def test_generate_and_complete(daemon: Server) -> None:
+    client = client_for(daemon)
+    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=12))
+    assert done.finish_reason in ("length", "stop") and done.stats.tokens > 0
+    chunks = [r async for r in client.stream(p.Complete(
+        id=0, session="s", document="a.py", prefix=PROMPT, suffix="\n", max_tokens=12))]
+    assert isinstance(chunks[-1], p.Done)
+    streamed = "".join(c.text for c in chunks if isinstance(c, p.Chunk))
+    assert streamed.startswith(chunks[-1].text) or chunks[-1].text.startswith(streamed)
+    await client.close()
+
+
+async def test_typing_through_a_suggestion_costs_no_model_work(daemon: Server) -> None:
+    client = client_for(daemon)
+    first = await client.run(p.Complete(id=0, session="s", document="b.py", prefix=PROMPT,
+                                        suffix="\n", max_tokens=16))
+    steps = daemon.scheduler.counters.steps
+    for typed in range(1, min(6, len(first.text))):
+        again = await client.run(p.Complete(id=0, session="s", document="b.py",
+                                            prefix=PROMPT + first.text[:typed], suffix="\n",
+                                            max_tokens=16))
+        assert again.text == first.text[typed:] and again.stats.typed_through
+    assert daemon.scheduler.counters.steps == steps
+    await client.close()
+
+
+async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> None:
+    client = client_for(daemon)
+    old = client.stream(p.Complete(id=0, session="s", document="c.py", prefix="import os\n",
+                                   max_tokens=200, multiline=True))
+    assert isinstance(await anext(old), p.Chunk)  # the first request is running
+    new = await client.run(p.Complete(id=0, session="s", document="c.py",
+                                      prefix="import sys\n", max_tokens=8))
+    assert new.finish_reason in ("length", "stop")
+    rest = [r async for r in old]
+    assert isinstance(rest[-1], p.Error) and "superseded" in rest[-1].message
+    assert daemon.scheduler.counters.superseded == 1
+    assert daemon.scheduler.counters.superseded_steps <= 2
+    await client.close()
+
+
+async def test_status_reports_counters(daemon: Server) -> None:
+    client = client_for(daemon)
+    await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=4))
+    info = await client.status()
+    assert info["model"] == "tiny" and info["completed"] >= 1 and "acceptance" in info
+    await client.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x00\x00\x00\x05garbage-and-more",  # a body that is not msgpack
+    b"\xff\xff\xff\xff",  # a length far over the limit
+    b"\x00\x00\x01\x00abc",  # a frame cut off midway, then the client leaves
+    p.encode(p.Cancel(id=1))[:-1] + b"\xc1",  # msgpack's one invalid byte
+])
+async def test_hostile_bytes_get_an_error_or_a_clean_close(daemon: Server, payload: bytes) -> None:
+    reader, writer = await raw(daemon)
+    await hello(writer, reader)
+    writer.write(payload)
+    writer.write_eof()
+    got = await replies(reader)
+    assert all(isinstance(r, p.Error) and r.code in ("bad_frame", "bad_request") for r in got)
+    await hang_up(writer)
+    # The daemon still serves everybody else.
+    client = client_for(daemon)
+    assert (await client.run(p.Generate(id=0, prompt="x", max_tokens=2))).text
+    await client.close()
+
+
+@pytest.mark.parametrize("raw_msg", [
+    {"op": "explode", "id": 1},
+    {"op": "generate", "id": "one", "prompt": "x"},
+    {"op": "complete", "id": 1},
+])
+async def test_invalid_messages_get_a_validation_error(daemon: Server, raw_msg: dict) -> None:
+    reader, writer = await raw(daemon)
+    await hello(writer, reader)
+    body = msgspec.msgpack.encode(raw_msg)
+    writer.write(len(body).to_bytes(4, "big") + body)
+    writer.write(p.encode(p.Status(id=9)))  # the connection stays usable
+    writer.write_eof()
+    got = await replies(reader)
+    assert isinstance(got[0], p.Error) and got[0].code == "bad_request"
+    assert isinstance(got[1], p.StatusReply)
+    await hang_up(writer)
+
+
+async def test_the_first_frame_must_be_a_matching_hello(daemon: Server) -> None:
+    reader, writer = await raw(daemon)
+    writer.write(p.encode(p.Hello(version=p.PROTOCOL_VERSION + 1)))
+    writer.write(p.encode(p.Status(id=1)))
+    writer.write_eof()
+    got = await replies(reader)
+    assert [type(r) for r in got] == [p.Error, p.Error]
+    assert got[0].code == "version" and "not supported" in got[0].message
+    await hang_up(writer)
+
+
+async def test_a_client_that_leaves_mid_generation_stops_its_work(daemon: Server) -> None:
+    reader, writer = await raw(daemon)
+    await hello(writer, reader)
+    writer.write(p.encode(p.Generate(id=1, prompt=PROMPT, max_tokens=400, k=0)))
+    body = await asyncio.wait_for(p.read_frame(reader), TIMEOUT)  # the first chunk
+    assert isinstance(p.reply_decoder().decode(body), p.Chunk)
+    await hang_up(writer)
+    assert await asyncio.to_thread(daemon.scheduler.wait_idle, TIMEOUT)
+    counters = daemon.scheduler.counters
+    steps = counters.steps
+    assert counters.cancelled == 1
+    client = client_for(daemon)
+    await client.run(p.Generate(id=0, prompt="x", max_tokens=1))
+    await client.close()
+    assert counters.steps - steps <= 2  # at most one stray step, plus the new request's
+
+
+async def test_socket_and_directory_are_private(daemon: Server) -> None:
+    assert stat.S_IMODE(daemon.socket_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(daemon.socket_path.parent.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only root can become another user")
+async def test_another_user_is_refused(daemon: Server) -> None:
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child becomes nobody and tries the socket; nothing else
+        os.close(read_end)
+        try:
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(10)
+            s.connect(str(daemon.socket_path))
+            outcome = b"answered:" + s.recv(200)
+        except OSError as e:
+            outcome = f"refused:{e.errno}".encode()
+        os.write(write_end, outcome)
+        os._exit(0)
+    os.close(write_end)
+    await asyncio.to_thread(os.waitpid, pid, 0)
+    with os.fdopen(read_end, "rb") as f:
+        outcome = f.read()
+    assert outcome.startswith(b"refused:") or b"forbidden" in outcome, outcome
+
+
+def test_peer_uid_is_ours() -> None:
+    from daemon.server import peer_uid
+
+    a, b = socket.socketpair()
+    with a, b:
+        assert peer_uid(a) == os.getuid()
+
+
+# A daemon in its own process, as users run it.
+
+def serve_cmd(model: Path) -> list[str]:
+    return [sys.executable, "-m", "clients.cli", "serve", "--model", str(model),
+            "--k-max", "4", "--max-seq-len", "512"]
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("AHEAD_RUNTIME_DIR", str(tmp_path / "rt"))
+    monkeypatch.setenv("AHEAD_STATE_DIR", str(tmp_path / "st"))
+    return dict(os.environ)
+
+
+async def test_autostart_kill9_restart_and_single_instance(trained_dir: Path,
+                                                           env: dict[str, str]) -> None:
+    args = ["--model", str(trained_dir), "--k-max", "4", "--max-seq-len", "512"]
+    client = Client(serve_args=args)
+    welcome = await client.connect()
+    assert (await client.run(p.Generate(id=0, prompt="x", max_tokens=3))).text
+    # A second daemon refuses to start, with a clear message.
+    second = await asyncio.to_thread(subprocess.run, serve_cmd(trained_dir), env=env,
+                                     capture_output=True, text=True, timeout=TIMEOUT)
+    assert second.returncode == 1
+    assert "another ahead daemon is running" in second.stderr
+    # kill -9: the next request restarts the daemon and succeeds.
+    os.kill(welcome.pid, signal.SIGKILL)
+    done = await client.run(p.Generate(id=0, prompt="x", max_tokens=3))
+    assert done.text and client.welcome is not None and client.welcome.pid != welcome.pid
+    await client.shutdown()
+    await client.close()
