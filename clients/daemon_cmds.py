@@ -29,7 +29,7 @@ def cmd_serve(args: argparse.Namespace, load_engine: Any, model_dir: Any) -> int
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args)
     server = Server(engine, paths.socket_path(), lock, model_name=str(model_dir(args)),
-                    idle_timeout=args.idle_timeout)
+                    idle_timeout=args.idle_timeout, stats_path=paths.state_dir() / "stats.json")
 
     def ready() -> None:
         if args.ready_fd is not None:  # started by a client: say so, then detach from it

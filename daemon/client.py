@@ -128,6 +128,8 @@ class Client:
         except (p.FrameError, ConnectionError):
             pass
         finally:
+            if self._writer is not None:
+                self._writer.close()
             self._writer = self.welcome = None
             for q in self._queues.values():
                 q.put_nowait(None)  # the daemon went away

@@ -30,18 +30,22 @@ class Listener:
         self.received = time.monotonic()
         self.on_end = on_end
         self.ended = False
+        self.final: p.RequestStats | None = None  # set when it is done
 
     def text(self, text: str) -> None:
         self.send(p.Chunk(id=self.req_id, text=text))
 
+    # The bookkeeping is handed over before the last frame, so that whoever reads that frame
+    # and asks for the status sees this request counted.
     def done(self, job: Job) -> None:
-        self.send(p.Done(id=self.req_id, text=job.text[self.skip:],
-                         finish_reason=job.finish_reason or "stop", stats=self.stats(job)))
+        self.final = self.stats(job)
         self._end()
+        self.send(p.Done(id=self.req_id, text=job.text[self.skip:],
+                         finish_reason=job.finish_reason or "stop", stats=self.final))
 
     def error(self, code: str, message: str) -> None:
-        self.send(p.Error(id=self.req_id, code=code, message=message))
         self._end()
+        self.send(p.Error(id=self.req_id, code=code, message=message))
 
     def _end(self) -> None:
         self.ended = True

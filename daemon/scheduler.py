@@ -36,7 +36,7 @@ class Job:
     priority: int = 0
     key: tuple[str, str] | None = None  # (session, document): a newer job supersedes
     deadline: float | None = None  # time.monotonic() after which the text so far is final
-    multiline: bool = True
+    multiline: bool = False  # a deadline then cuts back to the last whole line
     seq: int = 0
     gen: Generation | None = None
     text: str = ""

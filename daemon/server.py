@@ -26,6 +26,7 @@ import msgspec
 from daemon import protocol as p
 from daemon.requests import Listener, Requests
 from daemon.scheduler import Job, Scheduler
+from daemon.stats import Stats
 from engine.generate import Engine
 
 log = logging.getLogger("ahead.daemon")
@@ -142,7 +143,7 @@ class Connection:
             case p.Status(id=req_id):
                 self.send(p.StatusReply(id=req_id, info=self.server.status()))
             case p.Feedback(event=event):
-                self.server.feedback[event] = self.server.feedback.get(event, 0) + 1
+                self.server.stats.counts[event] += 1
             case p.Shutdown(id=req_id):
                 self.send(p.Done(id=req_id, text="", finish_reason="shutdown"))
                 self.server.stop()
@@ -168,6 +169,10 @@ class Connection:
         self.loop.call_soon_threadsafe(self._forget, listener)
 
     def _forget(self, listener: Listener) -> None:
+        if listener.final is not None:
+            s = listener.final
+            self.server.stats.request_done(s.total_ms, s.engine_ms, s.tokens, s.prefill_tokens,
+                                           s.reused_tokens, s.k_histogram)
         entry = self.jobs.get(listener.req_id)
         if entry is not None and entry[1] is listener:
             del self.jobs[listener.req_id]
@@ -175,13 +180,14 @@ class Connection:
 
 class Server:
     def __init__(self, engine: Engine, socket_path: Path, lock: InstanceLock, *,
-                 model_name: str, idle_timeout: float = 0.0) -> None:
+                 model_name: str, idle_timeout: float = 0.0,
+                 stats_path: Path | None = None) -> None:
         self.engine, self.model_name = engine, model_name
         self.socket_path, self.lock = socket_path, lock
         self.idle_timeout = idle_timeout
         self.scheduler = Scheduler(engine)
         self.requests = Requests(self.scheduler)
-        self.feedback: dict[str, int] = {}
+        self.stats = Stats(stats_path)
         self.started = time.monotonic()
         self.last_activity = self.started
         self.connections: dict[asyncio.Task[None], Connection] = {}
@@ -207,6 +213,7 @@ class Server:
                 on_ready()
             await self._main_loop()
             await self._shutdown(server)
+            self.stats.save(self.counts())
         finally:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
@@ -226,9 +233,13 @@ class Server:
 
     async def _main_loop(self) -> None:
         assert self._stop is not None
+        saved = time.monotonic()
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=1.0)
+            if time.monotonic() - saved > 60:
+                self.stats.save(self.counts())
+                saved = time.monotonic()
             idle = time.monotonic() - self.last_activity
             if self.idle_timeout and not self.connections and idle > self.idle_timeout:
                 log.info("idle for %.0f s: exiting to give the GPU back", idle)
@@ -264,17 +275,21 @@ class Server:
             del self.connections[task]
             self.touch()
 
+    def counts(self) -> dict[str, int]:
+        c = self.scheduler.counters
+        return {"requests_completed": c.completed, "steps": c.steps, "cancelled": c.cancelled,
+                "superseded": c.superseded, "superseded_steps": c.superseded_steps,
+                "errors": c.errors, "completions": self.requests.completions,
+                "typed_through": self.requests.typed_through}
+
     def status(self) -> dict[str, Any]:
-        c, policy = self.scheduler.counters, self.engine.policy
+        policy = self.engine.policy
         return {"model": self.model_name, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 1),
-                "connections": len(self.connections), "steps": c.steps,
-                "completed": c.completed, "cancelled": c.cancelled, "superseded": c.superseded,
-                "superseded_steps": c.superseded_steps, "errors": c.errors,
-                "completions": self.requests.completions,
-                "typed_through": self.requests.typed_through, "feedback": self.feedback,
-                "acceptance": {kind.value: [round(a, 3) for a in policy.rates(kind)]
-                               for kind in policy.accept},
+                "connections": len(self.connections),
+                **self.stats.snapshot(self.counts()),
+                "acceptance_by_position": {kind.value: [round(a, 3) for a in policy.rates(kind)]
+                                           for kind in policy.accept},
                 "step_cost_ms": [round(cost * 1000, 3) for cost in policy.costs]}
 
 

@@ -111,8 +111,36 @@ async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> Non
 async def test_status_reports_counters(daemon: Server) -> None:
     client = client_for(daemon)
     await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=4))
+    await client.run(p.Complete(id=0, session="s", document="d.py", prefix=PROMPT, max_tokens=4))
     info = await client.status()
-    assert info["model"] == "tiny" and info["completed"] >= 1 and "acceptance" in info
+    assert info["model"] == "tiny" and info["counts"]["requests_completed"] >= 2
+    assert info["counts"]["completions"] == 1 and info["latency_ms"]["n"] == 2
+    assert set(info["acceptance_by_position"]) == {"code", "comment", "string"}
+    await client.close()
+
+
+async def test_editor_requests_overtake_batch_work(daemon: Server) -> None:
+    client = client_for(daemon)
+    batch = client.stream(p.Generate(id=0, prompt=PROMPT, max_tokens=300, k=0,
+                                     priority="batch"))
+    assert isinstance(await anext(batch), p.Chunk)  # the batch job is running
+    editor = await client.run(p.Complete(id=0, session="s", document="e.py", prefix=PROMPT,
+                                         max_tokens=6))
+    assert editor.finish_reason in ("length", "stop")
+    rest = [r async for r in batch]  # the batch job resumes and finishes afterwards
+    assert isinstance(rest[-1], p.Done) and rest[-1].stats.tokens == 300
+    await client.close()
+
+
+async def test_a_time_budget_returns_the_text_so_far(daemon: Server) -> None:
+    client = client_for(daemon)
+    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=400, k=0, budget_ms=30))
+    assert done.finish_reason == "deadline" and 0 < done.stats.tokens < 400 and done.text
+    # A multi-line suggestion is cut back to whole lines.
+    done = await client.run(p.Complete(id=0, session="s", document="f.py", prefix=PROMPT,
+                                       max_tokens=400, budget_ms=30, multiline=True))
+    assert done.finish_reason == "deadline"
+    assert done.text == "" or done.text.endswith("\n")
     await client.close()
 
 
