@@ -59,7 +59,7 @@ class Counters:
     completed: int = 0
     cancelled: int = 0
     superseded: int = 0
-    superseded_steps: int = 0  # engine steps spent on jobs that were later superseded
+    stale_steps: int = 0  # steps that ended after their job was cancelled (at most one each)
     errors: int = 0
 
 
@@ -139,7 +139,6 @@ class Scheduler:
         job.cancelled = reason
         if reason == "superseded":
             self.counters.superseded += 1
-            self.counters.superseded_steps += job.steps
         else:
             self.counters.cancelled += 1
         for listener in job.listeners:
@@ -180,6 +179,7 @@ class Scheduler:
             job.steps += 1
             self.counters.steps += 1
             if not job.live:  # cancelled while the step ran: its result goes nowhere
+                self.counters.stale_steps += 1
                 return
             if step is not None and step.text:
                 self._emit(job, step.text)

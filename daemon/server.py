@@ -90,8 +90,9 @@ class Connection:
                 await self.writer.wait_closed()
 
     def close_soon(self) -> None:
-        """Flush what is queued, then hang up (the read loop then sees the end)."""
-        self.outbox.put_nowait(None)
+        """Flush what is queued, then hang up (the read loop then sees the end). Through
+        the loop's callback queue, so frames `send` scheduled earlier still go first."""
+        self.loop.call_soon(self.outbox.put_nowait, None)
 
     async def _write(self) -> None:
         try:
@@ -278,7 +279,7 @@ class Server:
     def counts(self) -> dict[str, int]:
         c = self.scheduler.counters
         return {"requests_completed": c.completed, "steps": c.steps, "cancelled": c.cancelled,
-                "superseded": c.superseded, "superseded_steps": c.superseded_steps,
+                "superseded": c.superseded, "stale_steps": c.stale_steps,
                 "errors": c.errors, "completions": self.requests.completions,
                 "typed_through": self.requests.typed_through}
 

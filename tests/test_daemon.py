@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -104,7 +105,7 @@ async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> Non
     rest = [r async for r in old]
     assert isinstance(rest[-1], p.Error) and "superseded" in rest[-1].message
     assert daemon.scheduler.counters.superseded == 1
-    assert daemon.scheduler.counters.superseded_steps <= 2
+    assert daemon.scheduler.counters.stale_steps <= 1  # stale work stops within one step
     await client.close()
 
 
@@ -276,4 +277,48 @@ async def test_autostart_kill9_restart_and_single_instance(trained_dir: Path,
     done = await client.run(p.Generate(id=0, prompt="x", max_tokens=3))
     assert done.text and client.welcome is not None and client.welcome.pid != welcome.pid
     await client.shutdown()
+    await client.close()
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Wait for a process to end without polling: a pidfd becomes readable when it does."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+async def test_idle_exit_saves_stats_and_removes_the_socket(trained_dir: Path,
+                                                            env: dict[str, str]) -> None:
+    client = Client(serve_args=["--model", str(trained_dir), "--k-max", "2",
+                                "--max-seq-len", "512", "--idle-timeout", "1"])
+    welcome = await client.connect()
+    await client.run(p.Generate(id=0, prompt="x", max_tokens=3))
+    await client.close()
+    assert await asyncio.to_thread(wait_exit, welcome.pid, TIMEOUT)
+    rt, st = Path(env["AHEAD_RUNTIME_DIR"]), Path(env["AHEAD_STATE_DIR"])
+    assert not (rt / "daemon.sock").exists()
+    saved = json.loads((st / "stats.json").read_text())
+    assert saved["lifetime"]["requests_completed"] == 1
+    assert "idle" in (st / "daemon.log").read_text()
+
+
+async def test_sigterm_ends_in_flight_work_and_exits(trained_dir: Path,
+                                                     env: dict[str, str]) -> None:
+    client = Client(serve_args=["--model", str(trained_dir), "--k-max", "2",
+                                "--max-seq-len", "512"])
+    welcome = await client.connect()
+    stream = client.stream(p.Generate(id=0, prompt="x", max_tokens=400, k=0))
+    assert isinstance(await anext(stream), p.Chunk)
+    os.kill(welcome.pid, signal.SIGTERM)
+    rest = [r async for r in stream]
+    assert isinstance(rest[-1], p.Error) and "shutdown" in rest[-1].message
+    assert await asyncio.to_thread(wait_exit, welcome.pid, TIMEOUT)
+    assert not (Path(env["AHEAD_RUNTIME_DIR"]) / "daemon.sock").exists()
     await client.close()
