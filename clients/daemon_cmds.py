@@ -28,8 +28,13 @@ def cmd_serve(args: argparse.Namespace, load_engine: Any, model_dir: Any) -> int
     logging.basicConfig(level=logging.INFO, handlers=handlers,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args)
+    def loader(path: Any) -> Any:
+        args.model = str(path)
+        return load_engine(args)
+
     server = Server(engine, paths.socket_path(), lock, model_name=str(model_dir(args)),
-                    idle_timeout=args.idle_timeout, stats_path=paths.state_dir() / "stats.json")
+                    idle_timeout=args.idle_timeout, stats_path=paths.state_dir() / "stats.json",
+                    loader=loader, watch_debounce_ms=None if args.no_watch else 1500)
 
     def ready() -> None:
         if args.ready_fd is not None:  # started by a client: say so, then detach from it
@@ -71,6 +76,8 @@ def add_parsers(sub: Any, model_args: Any, load_engine: Any, model_dir: Any) -> 
     model_args(serve)
     serve.add_argument("--idle-timeout", type=float, default=1800.0,
                        help="exit after this many idle seconds (0: never)")
+    serve.add_argument("--no-watch", action="store_true",
+                       help="do not reload when the model directory changes")
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(func=lambda a: cmd_serve(a, load_engine, model_dir))
     status = sub.add_parser("status", help="what the daemon is doing, and its statistics")

@@ -72,6 +72,7 @@ class Scheduler:
         self._seq = 0
         self._closed = False
         self._stepping = False
+        self._next_engine: Engine | None = None
         self._thread = threading.Thread(target=self._loop, name="ahead-engine", daemon=True)
         self._thread.start()
 
@@ -120,6 +121,12 @@ class Scheduler:
                 if not job.listeners:
                     self._cancel(job, reason)
 
+    def swap(self, engine: Engine) -> None:
+        """Serve with `engine` from the first moment no job is live (between requests)."""
+        with self._cv:
+            self._next_engine = engine
+            self._cv.notify()
+
     def wait_idle(self, timeout: float) -> bool:
         """Block until no job is live and no step is running (False on timeout)."""
         with self._cv:
@@ -150,6 +157,8 @@ class Scheduler:
             self._cv.notify_all()  # for wait_idle
             while True:
                 self._jobs = [j for j in self._jobs if j.live]
+                if self._next_engine is not None and all(j.gen is None for j in self._jobs):
+                    self.engine, self._next_engine = self._next_engine, None
                 if self._jobs:
                     self._stepping = True
                     return min(self._jobs, key=lambda j: (j.priority, j.seq))

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from daemon import protocol as p
+from daemon.reload import Loader, Reloader
 from daemon.requests import Listener, Requests
 from daemon.scheduler import Job, Scheduler
 from daemon.stats import Stats
@@ -71,6 +72,7 @@ class Connection:
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.decoder = p.request_decoder()
         self.jobs: dict[int, tuple[Job, Listener]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
         self.greeted = False
 
     def send(self, msg: p.Reply) -> None:
@@ -148,11 +150,23 @@ class Connection:
             case p.Shutdown(id=req_id):
                 self.send(p.Done(id=req_id, text="", finish_reason="shutdown"))
                 self.server.stop()
-            case p.Reload(id=req_id):
-                self.send(p.Error(id=req_id, code="unsupported", message="reload is not "
-                                  "available yet: restart the daemon"))
+            case p.Reload(id=req_id, model=model):
+                task = asyncio.create_task(self._reload(req_id, model))
+                self.tasks.add(task)  # held until done: the loop keeps only weak references
+                task.add_done_callback(self.tasks.discard)
             case _:
                 self.send(p.Error(id=None, code="bad_request", message=f"unexpected {msg!r}"))
+
+    async def _reload(self, req_id: int, model: str | None) -> None:
+        reloader = self.server.reloader
+        if reloader is None:
+            self.send(p.Error(id=req_id, code="unsupported", message="this daemon cannot reload"))
+            return
+        result = await reloader.reload(Path(model) if model else None)
+        if result == "ok":
+            self.send(p.Done(id=req_id, text=str(reloader.model_dir), finish_reason="reloaded"))
+        else:
+            self.send(p.Error(id=req_id, code="reload_failed", message=result))
 
     def _start(self, msg: p.Complete | p.Generate) -> None:
         if msg.id in self.jobs:
@@ -181,13 +195,17 @@ class Connection:
 
 class Server:
     def __init__(self, engine: Engine, socket_path: Path, lock: InstanceLock, *,
-                 model_name: str, idle_timeout: float = 0.0,
-                 stats_path: Path | None = None) -> None:
-        self.engine, self.model_name = engine, model_name
+                 model_name: str, idle_timeout: float = 0.0, stats_path: Path | None = None,
+                 loader: Loader | None = None, watch_debounce_ms: int | None = 1500) -> None:
+        """`loader` (model dir -> Engine) enables reloads; `watch_debounce_ms` None turns
+        off watching the model directory."""
+        self.model_name = model_name
         self.socket_path, self.lock = socket_path, lock
         self.idle_timeout = idle_timeout
         self.scheduler = Scheduler(engine)
         self.requests = Requests(self.scheduler)
+        self.reloader = Reloader(self.scheduler, loader, Path(model_name)) if loader else None
+        self.watch_debounce_ms = watch_debounce_ms
         self.stats = Stats(stats_path)
         self.started = time.monotonic()
         self.last_activity = self.started
@@ -210,9 +228,15 @@ class Server:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
             log.info("serving %s on %s", self.model_name, self.socket_path)
+            watcher = None
+            if self.reloader and self.watch_debounce_ms is not None:
+                watcher = asyncio.create_task(self.reloader.watch(self._stop,
+                                                                  self.watch_debounce_ms))
             if on_ready:
                 on_ready()
             await self._main_loop()
+            if watcher:
+                await asyncio.wait_for(watcher, timeout=10)
             await self._shutdown(server)
             self.stats.save(self.counts())
         finally:
@@ -284,10 +308,14 @@ class Server:
                 "typed_through": self.requests.typed_through}
 
     def status(self) -> dict[str, Any]:
-        policy = self.engine.policy
+        policy = self.scheduler.engine.policy
+        reloader = self.reloader
         return {"model": self.model_name, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 1),
                 "connections": len(self.connections),
+                "serving": str(reloader.model_dir) if reloader else self.model_name,
+                "reloads": reloader.reloads if reloader else 0,
+                "last_reload_error": reloader.last_error if reloader else None,
                 **self.stats.snapshot(self.counts()),
                 "acceptance_by_position": {kind.value: [round(a, 3) for a in policy.rates(kind)]
                                            for kind in policy.accept},

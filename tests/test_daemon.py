@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -322,3 +323,40 @@ async def test_sigterm_ends_in_flight_work_and_exits(trained_dir: Path,
     assert await asyncio.to_thread(wait_exit, welcome.pid, TIMEOUT)
     assert not (Path(env["AHEAD_RUNTIME_DIR"]) / "daemon.sock").exists()
     await client.close()
+
+
+async def test_hot_swap_keeps_serving_through_a_corrupt_checkpoint(
+        trained_engine: Engine, trained_dir: Path, random_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(trained_dir, model)
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    server = Server(trained_engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+                    model_name=str(model), watch_debounce_ms=100,
+                    loader=lambda path: Engine.load(path, max_seq_len=256, k_max=2))
+    ready = asyncio.Event()
+    task = asyncio.create_task(server.serve(on_ready=ready.set))
+    await asyncio.wait_for(ready.wait(), TIMEOUT)
+    assert server.reloader is not None
+    client = client_for(server)
+    before = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=8))
+    # A truncated checkpoint lands in the watched directory: reported, old model serves on.
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = await asyncio.wait_for(server.reloader.results.get(), TIMEOUT)
+    assert result.startswith("error") and "model.safetensors" in result
+    again = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=8))
+    assert again.text == before.text
+    info = await client.status()
+    assert info["reloads"] == 0 and "model.safetensors" in info["last_reload_error"]
+    # A good checkpoint (another model) is loaded beside the old one and swapped in.
+    for f in random_dir.iterdir():
+        shutil.copy(f, model / f.name)
+    while (result := await asyncio.wait_for(server.reloader.results.get(), TIMEOUT)) != "ok":
+        pass  # a copy of several files may be seen half done first
+    swapped = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=8))
+    assert server.scheduler.engine is not trained_engine  # swapped before this request
+    assert swapped.text != before.text
+    await client.close()
+    server.stop()
+    await asyncio.wait_for(task, TIMEOUT)

@@ -1,0 +1,52 @@
+"""Hot model swaps: a changed checkpoint is loaded beside the old one and swapped in between
+requests; one that fails to load is reported and the old model keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import watchfiles
+
+from daemon.scheduler import Scheduler
+from engine.generate import Engine
+
+log = logging.getLogger("ahead.daemon")
+
+Loader = Callable[[Path], Engine]
+
+
+class Reloader:
+    def __init__(self, scheduler: Scheduler, loader: Loader, model_dir: Path) -> None:
+        self.scheduler, self.loader, self.model_dir = scheduler, loader, model_dir
+        self.reloads = 0
+        self.last_error: str | None = None
+        self.results: asyncio.Queue[str] = asyncio.Queue()  # "ok" or the error, per attempt
+        self._lock = asyncio.Lock()
+
+    async def reload(self, model_dir: Path | None = None) -> str:
+        """Load (the same or another) model beside the serving one; swap it in if it loads."""
+        async with self._lock:
+            target = model_dir or self.model_dir
+            try:
+                engine = await asyncio.to_thread(self.loader, target)
+            except Exception as e:  # any loading failure: the old model keeps serving
+                self.last_error = f"{target}: {e}"
+                log.error("reload failed, keeping the old model: %s", self.last_error)
+                result = f"error: {self.last_error}"
+            else:
+                self.scheduler.swap(engine)
+                self.model_dir, self.last_error = target, None
+                self.reloads += 1
+                log.info("loaded %s; swapping it in between requests", target)
+                result = "ok"
+            self.results.put_nowait(result)
+            return result
+
+    async def watch(self, stop: asyncio.Event, debounce_ms: int = 1500) -> None:
+        """Reload whenever files in the model directory change (a copy settling counts once)."""
+        async for _ in watchfiles.awatch(self.model_dir, stop_event=stop, debounce=debounce_ms,
+                                         recursive=False):
+            await self.reload()
