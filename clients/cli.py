@@ -125,6 +125,25 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from clients.bench_pipeline import bench_pipeline, format_report
+    from engine.corpus import heldout_stdlib_files
+
+    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise CliError(f"file {missing[0]} does not exist")
+    result = asyncio.run(bench_pipeline(_model_dir(args), files, clients=args.clients,
+                                        keystrokes=args.keystrokes,
+                                        interval_ms=args.interval_ms, seed=args.seed))
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def cmd_new_model(args: argparse.Namespace) -> int:
     from engine.synthetic import write_checkpoint
 
@@ -216,6 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--json", help="write the results to this file")
     eng.set_defaults(func=cmd_bench_engine)
+    pipe = bench_sub.add_parser("pipeline", help="a typing burst from several editors "
+                                "against a real daemon")
+    pipe.add_argument("--model", help="checkpoint directory (default: the bundled model)")
+    pipe.add_argument("--files", nargs="+", help="source files the editors type "
+                      "(default: held-out standard-library modules)")
+    pipe.add_argument("--clients", type=int, default=3)
+    pipe.add_argument("--keystrokes", type=int, default=30)
+    pipe.add_argument("--interval-ms", type=float, default=40.0)
+    pipe.add_argument("--seed", type=int, default=0)
+    pipe.add_argument("--json", help="write the results to this file")
+    pipe.set_defaults(func=cmd_bench_pipeline)
 
     tr = sub.add_parser("train", help="train the bundled code model (resumes from OUT)")
     tr.add_argument("--out", default="runs/ahead-small", help="run directory")

@@ -74,3 +74,18 @@ def test_new_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     proc = ahead("new-model", str(tmp_path))
     assert proc.returncode == 1 and "not empty" in proc.stderr
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_bench_pipeline_reports_its_figures(trained_dir: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AHEAD_STATE_DIR", str(tmp_path / "state"))
+    out = tmp_path / "pipeline.json"
+    proc = ahead("bench", "pipeline", "--model", str(trained_dir), "--clients", "2",
+                 "--keystrokes", "5", "--interval-ms", "20", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    for key in ("superseded_steps_per_request", "final_latency_ratio", "typed_through_share",
+                "prefill_tokens_saved_share"):
+        assert isinstance(result[key], float | int), key
+    assert result["requests"] == 12 and result["superseded_steps_per_request"] <= 1
+    assert result["overhead_ms"]["p50"] >= 0 and "p99" in result["overhead_ms"]

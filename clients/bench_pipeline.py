@@ -1,0 +1,153 @@
+"""`ahead bench pipeline`: a typing burst from several editors against a real daemon.
+
+Each simulated editor types a real source file one character per keystroke, every
+`interval_ms`, and asks for a completion at every keystroke, superseding the previous one
+(as an editor's inline-completion requests do). The daemon runs in its own process, on a
+private socket, with the model given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from daemon import protocol as p
+from daemon.client import Client, RequestFailed
+from daemon.stats import percentiles
+
+
+@dataclass(slots=True)
+class Editor:
+    name: str
+    text: str
+    cursor: int
+    latencies: list[float] = field(default_factory=list)  # ms, completed requests
+    overheads: list[float] = field(default_factory=list)  # ms, total minus engine time
+    final_ms: float = 0.0
+
+
+def _request(ed: Editor, typed: int, doc: str | None = None) -> p.Complete:
+    cut = ed.cursor + typed
+    return p.Complete(id=0, session=ed.name, document=doc or f"file:///{ed.name}.py",
+                      prefix=ed.text[max(0, cut - 3000):cut], suffix=ed.text[cut:cut + 1000],
+                      max_tokens=48, multiline=True)
+
+
+async def _timed(client: Client, req: p.Complete) -> tuple[p.Done | None, float]:
+    t0 = time.perf_counter()
+    try:
+        done = await client.run(req)
+    except RequestFailed as e:
+        if e.code != "cancelled":
+            raise
+        return None, (time.perf_counter() - t0) * 1000
+    return done, (time.perf_counter() - t0) * 1000
+
+
+async def _type(client: Client, ed: Editor, keystrokes: int, interval: float) -> None:
+    tasks = []
+    for k in range(keystrokes + 1):
+        tasks.append(asyncio.create_task(_timed(client, _request(ed, k))))
+        if k < keystrokes:
+            await asyncio.sleep(interval)  # the typist's pace, not synchronisation
+    results = await asyncio.gather(*tasks)
+    ed.latencies += [ms for done, ms in results if done is not None]
+    last_done, ed.final_ms = results[-1]
+    if last_done is None:
+        raise RuntimeError(f"{ed.name}: the final request was cancelled")
+
+
+async def _idle(client: Client, ed: Editor, keystrokes: int) -> float:
+    """On an idle daemon: the pipeline's overhead per request (round trip minus engine time,
+    one request at a time), and the final request's latency from a cold cache."""
+    for k in range(0, keystrokes, 3):
+        done, ms = await _timed(client, _request(ed, k, f"file:///idle-{ed.name}-{k}"))
+        if done is not None:
+            ed.overheads.append(ms - done.stats.engine_ms)
+    await client.run(p.Generate(id=0, prompt="# another file\n" * 20, max_tokens=1))
+    _, ms = await _timed(client, _request(ed, keystrokes, f"file:///idle-{ed.name}-final"))
+    return ms
+
+
+def _editors(files: list[Path], count: int, seed: int) -> list[Editor]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        text = rng.choice(files).read_text(encoding="utf-8")
+        lines = text.splitlines(keepends=True)
+        start = rng.randrange(len(lines) // 4, max(len(lines) // 4 + 1, len(lines) - 10))
+        cursor = sum(map(len, lines[:start])) + len(lines[start]) - len(lines[start].lstrip())
+        out.append(Editor(f"editor{i}", text, cursor))
+    return out
+
+
+async def bench_pipeline(model: Path, files: list[Path], *, clients: int = 3,
+                         keystrokes: int = 30, interval_ms: float = 40.0, seed: int = 0,
+                         serve_args: list[str] | None = None) -> dict[str, Any]:
+    args = ["--model", str(model), "--idle-timeout", "120", "--no-watch", *(serve_args or [])]
+    with tempfile.TemporaryDirectory() as rt:
+        os.environ["AHEAD_RUNTIME_DIR"] = rt  # a private daemon, not the user's
+        editors = _editors(files, clients, seed)
+        control = Client(serve_args=args, client_name="bench")
+        try:
+            await control.connect()
+            idle = [await _idle(control, ed, keystrokes) for ed in editors]
+            before = await control.status()
+            conns = [Client(serve_args=args, client_name=ed.name) for ed in editors]
+            await asyncio.gather(*(_type(c, ed, keystrokes, interval_ms / 1000)
+                                   for c, ed in zip(conns, editors, strict=True)))
+            after = await control.status()
+            for c in conns:
+                await c.close()
+            await control.shutdown()
+        finally:
+            await control.close()
+            os.environ.pop("AHEAD_RUNTIME_DIR", None)
+    return _summary(editors, idle, before["counts"], after["counts"], clients, keystrokes,
+                    interval_ms)
+
+
+def _summary(editors: list[Editor], idle: list[float], before: dict, after: dict,
+             clients: int, keystrokes: int, interval_ms: float) -> dict[str, Any]:
+    def delta(key: str) -> int:
+        return after.get(key, 0) - before.get(key, 0)
+
+    superseded = delta("superseded")
+    saved, prefilled = delta("reused_tokens"), delta("prefill_tokens")
+    overheads = [o for ed in editors for o in ed.overheads]
+    ratios = [ed.final_ms / i for ed, i in zip(editors, idle, strict=True)]
+    return {
+        "clients": clients, "keystrokes_per_client": keystrokes, "interval_ms": interval_ms,
+        "requests": delta("completions"),
+        "superseded_requests": superseded,
+        "superseded_steps_per_request": delta("stale_steps") / superseded if superseded else 0.0,
+        "final_latency_ms": statistics.median(ed.final_ms for ed in editors),
+        "idle_latency_ms": statistics.median(idle),
+        "final_latency_ratio": statistics.median(ratios),
+        "typed_through_share": delta("typed_through") / max(delta("completions"), 1),
+        "prefill_tokens_saved_share": saved / max(saved + prefilled, 1),
+        "latency_ms": percentiles([ms for ed in editors for ms in ed.latencies]),
+        "overhead_ms": percentiles(overheads),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    return "\n".join([
+        f"{r['clients']} editors x {r['keystrokes_per_client']} keystrokes, "
+        f"{r['interval_ms']:.0f} ms apart: {r['requests']} requests, "
+        f"{r['superseded_requests']} superseded",
+        f"stale steps per superseded request: {r['superseded_steps_per_request']:.2f}",
+        f"final request: {r['final_latency_ms']:.1f} ms vs {r['idle_latency_ms']:.1f} ms idle "
+        f"(ratio {r['final_latency_ratio']:.2f}, median over editors)",
+        f"keystrokes served by typing through: {r['typed_through_share']:.1%}",
+        f"prefill tokens saved by prefix reuse: {r['prefill_tokens_saved_share']:.1%}",
+        f"pipeline overhead (round trip minus engine): p50 {r['overhead_ms'].get('p50', 0)} ms, "
+        f"p99 {r['overhead_ms'].get('p99', 0)} ms",
+    ])
