@@ -105,7 +105,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"prompt file {missing[0]} does not exist")
-    room = engine.runner.max_seq_len - args.max_new_tokens - engine.k_max - 2
+    room = engine.max_seq_len - args.max_new_tokens - engine.k_max - 2
     prompts = cursor_prompts(engine, files, args.num_prompts, args.seed, max_tokens=room)
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
 
@@ -117,8 +117,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
                           progress=progress)
     result["heldout_loss"] = heldout_loss(engine, files)
     result["model"] = str(_model_dir(args))
-    result["device"] = str(engine.runner.device)
-    result["dtype"] = str(engine.runner.dtype).removeprefix("torch.")
+    result["device"] = str(engine.device)
+    result["dtype"] = str(engine.dtype).removeprefix("torch.")
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

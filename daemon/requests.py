@@ -111,7 +111,7 @@ class Requests:
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
                                top_p=req.top_p, stop=tuple(req.stop), k=req.k,
                                speculative=req.speculative)
-            return engine.start(ids, params)
+            return engine.start(ids, params, slot="generate")
 
         job = Job(make=make, listeners=[listener], priority=PRIORITIES[req.priority],
                   deadline=_deadline(req.budget_ms))
@@ -131,13 +131,13 @@ class Requests:
 
     def _fim_maker(self, req: p.Complete) -> Callable[[Engine], Generation]:
         def make(engine: Engine) -> Generation:
-            budget = engine.runner.max_seq_len - req.max_tokens - engine.k_max - 4
+            budget = engine.max_seq_len - req.max_tokens - engine.k_max - 4
             extra = [(c.path, c.text) for c in req.extra]
             ids = completion_prompt(engine.tokenizer, req.prefix, req.suffix, max_tokens=budget,
                                     extra=extra)
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
                                stop=() if req.multiline else ("\n",))
-            return engine.start(ids, params)
+            return engine.start(ids, params, slot=(req.session, req.document))
 
         return make
 

@@ -78,14 +78,14 @@ def heldout_loss(engine: Engine, files: list[Path], windows: int = 16,
     ids: list[int] = []
     for f in files:
         ids += engine.tokenizer.encode_text(f.read_text(encoding="utf-8"))
-    seq_len = min(seq_len, len(ids) // 2, engine.runner.max_seq_len)
+    seq_len = min(seq_len, len(ids) // 2, engine.max_seq_len)
     if seq_len < 8:
         raise ValueError("too little text for a held-out loss")
     rng = random.Random(0)
     total = 0.0
     for _ in range(windows):
         s = rng.randrange(0, len(ids) - seq_len)
-        x = torch.tensor([ids[s:s + seq_len]], device=engine.runner.device)
+        x = torch.tensor([ids[s:s + seq_len]], device=engine.device)
         logits, _ = model(x)
         total += F.cross_entropy(logits[0, :-1].float(), x[0, 1:]).item()
     return total / windows

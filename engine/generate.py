@@ -8,8 +8,8 @@ asking for the next step: the cache is consistent after every step.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,14 +64,23 @@ class Stats:
 
 
 class Engine:
-    """A loaded model with its tokenizer, runner state and K policy (one sequence at a time)."""
+    """A loaded model with its tokenizer, K policy and a few KV-cache slots.
+
+    A slot (one `Runner`: caches and buffers for one sequence) is kept per key, such as an
+    editor's document, so that each keeps its prefix cached while others run; the least
+    recently used slot is recycled when all are taken. Steps run one at a time.
+    """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_seq_len: int = 4096,
-                 k_max: int = 8) -> None:
+                 k_max: int = 8, slots: int = 4) -> None:
+        if slots < 1:
+            raise ValueError(f"need at least one KV-cache slot, got {slots}")
         self.model, self.tokenizer = model, tokenizer
-        max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
-        self.runner = Runner(model, max_seq_len, k_max)
-        self.k_max = self.runner.k_max
+        self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
+        self.max_slots = slots
+        first = Runner(model, self.max_seq_len, k_max)
+        self._slots: OrderedDict[Hashable, Runner] = OrderedDict({None: first})
+        self.k_max, self.device, self.dtype = first.k_max, first.device, first.dtype
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
@@ -88,13 +97,33 @@ class Engine:
         """Measure the step cost of every K on this machine for the K policy."""
         self.policy.costs = self.measure_costs()
 
-    def start(self, prompt: list[int], params: GenParams | None = None) -> Generation:
-        return Generation(self, prompt, params or GenParams())
+    @property
+    def runner(self) -> Runner:
+        """The default slot's runner."""
+        return self.runner_for(None)
+
+    def runner_for(self, slot: Hashable) -> Runner:
+        """The slot's runner, made most recently used; a new slot recycles the least."""
+        if slot in self._slots:
+            self._slots.move_to_end(slot)
+            return self._slots[slot]
+        if len(self._slots) < self.max_slots:
+            runner = Runner(self.model, self.max_seq_len, self.k_max)
+        else:
+            _, runner = self._slots.popitem(last=False)
+            runner.reset()
+        self._slots[slot] = runner
+        return runner
+
+    def start(self, prompt: list[int], params: GenParams | None = None, *,
+              slot: Hashable = None) -> Generation:
+        return Generation(self, prompt, params or GenParams(), slot)
 
     def generate(self, prompt: list[int], params: GenParams | None = None, *,
-                 on_step: Callable[[Step], None] | None = None,
+                 slot: Hashable = None, on_step: Callable[[Step], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
-        gen = self.start(prompt, params)
+        """Run a generation to its end (or until `cancelled()` says so after a step)."""
+        gen = self.start(prompt, params, slot=slot)
         for step in gen:
             if on_step:
                 on_step(step)
@@ -107,7 +136,7 @@ class Engine:
         """Seconds per step for each K: verify of K+1 tokens plus K draft steps (median)."""
         if self.k_max == 0:
             return [1.0]
-        r, greedy = self.runner, Sampler(0.0, 1.0, 0, self.runner.device)
+        r, greedy = self.runner, Sampler(0.0, 1.0, 0, self.device)
         warm = [1] * 16
         costs = []
         for k in range(self.k_max + 1):
@@ -125,9 +154,10 @@ class Engine:
 
 
 class Generation(Iterator[Step]):
-    def __init__(self, engine: Engine, prompt: list[int], params: GenParams) -> None:
-        self.engine, self.prompt, self.params = engine, list(prompt), params
-        self.sampler = Sampler(params.temperature, params.top_p, params.seed, engine.runner.device)
+    def __init__(self, engine: Engine, prompt: list[int], params: GenParams,
+                 slot: Hashable = None) -> None:
+        self.engine, self.prompt, self.params, self.slot = engine, list(prompt), params, slot
+        self.sampler = Sampler(params.temperature, params.top_p, params.seed, engine.device)
         self.use_mtp = params.speculative and engine.k_max > 0
         self.tokens: list[int] = []  # the output, up to a stop
         self._committed: list[int] = []  # every token the runner committed for this sequence
@@ -145,7 +175,7 @@ class Generation(Iterator[Step]):
     def __next__(self) -> Step:
         if self.finish_reason is not None:
             raise StopIteration
-        r, t0 = self.engine.runner, time.perf_counter()
+        r, t0 = self.engine.runner_for(self.slot), time.perf_counter()
         if not self._started:
             self._started = True
             first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler)
@@ -176,7 +206,7 @@ class Generation(Iterator[Step]):
             self.finish_reason = reason
 
     def _draft_next(self) -> None:
-        t0, r = time.perf_counter(), self.engine.runner
+        t0, r = time.perf_counter(), self.engine.runner_for(self.slot)
         k = 0
         if self.use_mtp:
             fixed = self.params.k

@@ -88,3 +88,20 @@ def test_interleaved_generations_equal_solo_ones(trained_engine: Engine) -> None
                 live.remove(g)
     assert [g.tokens for g in gens] == solo
     assert all(g.stats.resumed > 0 for g in gens)
+
+
+def test_each_slot_keeps_its_own_prefix(trained_dir: Path) -> None:
+    engine = Engine.load(trained_dir, max_seq_len=256, slots=2)
+    a, b, c = PROMPT, [CHAIN_VOCAB[50]] * 12, [CHAIN_VOCAB[60]] * 12
+    first_a = engine.generate(a, GenParams(max_new_tokens=8), slot="a")
+    engine.generate(b, GenParams(max_new_tokens=8), slot="b")
+    again = engine.start(a + first_a.tokens[:4], GenParams(max_new_tokens=8), slot="a")
+    next(again)
+    assert again.stats.reused_tokens == len(a) + 3  # slot a kept its cache while b ran
+    engine.generate(c, GenParams(max_new_tokens=8), slot="c")  # recycles b's, the oldest
+    engine.generate(a, GenParams(max_new_tokens=8), slot="a")
+    back = engine.start(b, GenParams(max_new_tokens=8), slot="b")
+    next(back)
+    assert back.stats.reused_tokens == 0  # b's slot had been recycled
+    with pytest.raises(ValueError, match="slot"):
+        Engine.load(trained_dir, slots=0)
