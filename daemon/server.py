@@ -174,8 +174,12 @@ class Connection:
             return
         listener = Listener(msg.id, self.send, on_end=self._ended)
         requests = self.server.requests
-        job = requests.complete(msg, listener) if isinstance(msg, p.Complete) else \
-            requests.generate(msg, listener)
+        try:
+            job = requests.complete(msg, listener) if isinstance(msg, p.Complete) else \
+                requests.generate(msg, listener)
+        except RuntimeError:  # the scheduler closed: the daemon is shutting down
+            self.send(p.Error(id=msg.id, code="shutdown", message="the daemon is shutting down"))
+            return
         if job is not None and not listener.ended:
             self.jobs[msg.id] = (job, listener)
 
