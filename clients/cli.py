@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,14 +22,21 @@ class CliError(Exception):
     """A failure to report as one line, without a traceback."""
 
 
+def _settings() -> Any:
+    from daemon.config import load_settings
+
+    return load_settings()
+
+
 def _model_dir(args: argparse.Namespace) -> Path:
     from engine.bundled import bundled_model_dir
 
-    model = args.model or os.environ.get("AHEAD_MODEL") or bundled_model_dir()
+    model = args.model or _settings().model or bundled_model_dir()
     if not model:
         raise CliError("no model given and the bundled model is missing from this install: "
                        "pass --model DIR (a Hugging Face checkpoint directory with config.json, "
-                       "tokenizer.json and safetensors) or set AHEAD_MODEL")
+                       "tokenizer.json and safetensors), set AHEAD_MODEL, or set model in "
+                       "the config file")
     path = Path(model).expanduser()
     if not path.is_dir():
         raise CliError(f"model directory {path} does not exist")
@@ -42,11 +48,13 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
     from engine.generate import Engine
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = _settings()  # flags win over the config file and AHEAD_* variables
+    device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    dtype = dtypes[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    dtype = dtypes[args.dtype or cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
     return Engine.load(_model_dir(args), device=device, dtype=dtype,
-                       max_seq_len=args.max_seq_len, k_max=args.k_max)
+                       max_seq_len=args.max_seq_len or cfg.max_seq_len,
+                       k_max=cfg.k_max if args.k_max is None else args.k_max, slots=cfg.slots)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -196,12 +204,13 @@ def _train_heads(args: argparse.Namespace) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: $AHEAD_MODEL)")
+    p.add_argument("--model", help="checkpoint directory (default: the config file's, "
+                   "$AHEAD_MODEL, else the bundled model)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache length (tokens)")
-    p.add_argument("--k-max", type=int, default=8, help="most drafts per step")
+    p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
+    p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,9 +32,13 @@ def cmd_serve(args: argparse.Namespace, load_engine: Any, model_dir: Any) -> int
         args.model = str(path)
         return load_engine(args)
 
+    from daemon.config import config_path, load_settings
+
+    idle = load_settings().idle_timeout if args.idle_timeout is None else args.idle_timeout
     server = Server(engine, paths.socket_path(), lock, model_name=str(model_dir(args)),
-                    idle_timeout=args.idle_timeout, stats_path=paths.state_dir() / "stats.json",
-                    loader=loader, watch_debounce_ms=None if args.no_watch else 1500)
+                    idle_timeout=idle, stats_path=paths.state_dir() / "stats.json",
+                    loader=loader, watch_debounce_ms=None if args.no_watch else 1500,
+                    config_file=config_path())
 
     def ready() -> None:
         if args.ready_fd is not None:  # started by a client: say so, then detach from it
@@ -74,8 +78,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any, model_args: Any, load_engine: Any, model_dir: Any) -> None:
     serve = sub.add_parser("serve", help="run the daemon that keeps the model resident")
     model_args(serve)
-    serve.add_argument("--idle-timeout", type=float, default=1800.0,
-                       help="exit after this many idle seconds (0: never)")
+    serve.add_argument("--idle-timeout", type=float,
+                       help="exit after this many idle seconds (0: never; default 1800)")
     serve.add_argument("--no-watch", action="store_true",
                        help="do not reload when the model directory changes")
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)

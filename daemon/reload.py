@@ -10,6 +10,7 @@ from pathlib import Path
 
 import watchfiles
 
+from daemon.config import ConfigFileError, load_settings
 from daemon.scheduler import Scheduler
 from engine.generate import Engine
 
@@ -45,8 +46,29 @@ class Reloader:
             self.results.put_nowait(result)
             return result
 
-    async def watch(self, stop: asyncio.Event, debounce_ms: int = 1500) -> None:
-        """Reload whenever files in the model directory change (a copy settling counts once)."""
-        async for _ in watchfiles.awatch(self.model_dir, stop_event=stop, debounce=debounce_ms,
-                                         recursive=False):
-            await self.reload()
+    async def watch(self, stop: asyncio.Event, debounce_ms: int = 1500,
+                    config: Path | None = None) -> None:
+        """Reload when files in the model directory change (a copy settling counts once), or
+        when the config file names another model."""
+        watched = [self.model_dir]
+        if config is not None and config.parent.is_dir():
+            watched.append(config.parent)
+        async for changes in watchfiles.awatch(*watched, stop_event=stop, debounce=debounce_ms,
+                                               recursive=False):
+            changed = {Path(path) for _, path in changes}
+            if config is not None and config in changed:
+                await self._config_changed(config)
+            if any(path.parent == self.model_dir for path in changed):
+                await self.reload()
+
+    async def _config_changed(self, config: Path) -> None:
+        try:
+            model = load_settings(config).model
+        except ConfigFileError as e:
+            self.last_error = str(e)
+            log.error("config not applied: %s", e)
+            self.results.put_nowait(f"error: {e}")
+            return
+        if model and Path(model).expanduser().resolve() != self.model_dir.resolve():
+            log.info("the config file names another model: %s", model)
+            await self.reload(Path(model).expanduser())

@@ -200,7 +200,8 @@ class Connection:
 class Server:
     def __init__(self, engine: Engine, socket_path: Path, lock: InstanceLock, *,
                  model_name: str, idle_timeout: float = 0.0, stats_path: Path | None = None,
-                 loader: Loader | None = None, watch_debounce_ms: int | None = 1500) -> None:
+                 loader: Loader | None = None, watch_debounce_ms: int | None = 1500,
+                 config_file: Path | None = None) -> None:
         """`loader` (model dir -> Engine) enables reloads; `watch_debounce_ms` None turns
         off watching the model directory."""
         self.model_name = model_name
@@ -209,7 +210,7 @@ class Server:
         self.scheduler = Scheduler(engine)
         self.requests = Requests(self.scheduler)
         self.reloader = Reloader(self.scheduler, loader, Path(model_name)) if loader else None
-        self.watch_debounce_ms = watch_debounce_ms
+        self.watch_debounce_ms, self.config_file = watch_debounce_ms, config_file
         self.stats = Stats(stats_path)
         self.started = time.monotonic()
         self.last_activity = self.started
@@ -234,8 +235,8 @@ class Server:
             log.info("serving %s on %s", self.model_name, self.socket_path)
             watcher = None
             if self.reloader and self.watch_debounce_ms is not None:
-                watcher = asyncio.create_task(self.reloader.watch(self._stop,
-                                                                  self.watch_debounce_ms))
+                watcher = asyncio.create_task(self.reloader.watch(
+                    self._stop, self.watch_debounce_ms, self.config_file))
             if on_ready:
                 on_ready()
             await self._main_loop()

@@ -1,0 +1,90 @@
+"""User configuration: `~/.config/ahead/config.toml`, overridden by environment variables.
+
+    model = "/path/to/checkpoint"   # default: the bundled model
+    device = "cuda"                  # default: cuda when available
+    dtype = "bf16"                   # fp32 | bf16 | fp16
+    idle_timeout = 1800              # seconds; 0 = never exit
+    max_seq_len = 4096
+    k_max = 8
+    slots = 4                        # KV-cache slots (documents kept warm)
+
+Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
+both. Unknown keys and wrong types are errors that name the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigFileError(ValueError):
+    """A config file or variable that cannot be used, naming the file and the key."""
+
+
+@dataclass(slots=True)
+class Settings:
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    idle_timeout: float = 1800.0
+    max_seq_len: int = 4096
+    k_max: int = 8
+    slots: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ConfigFileError(f"dtype must be fp32, bf16 or fp16, not {self.dtype!r}")
+        for name in ("max_seq_len", "slots"):
+            if getattr(self, name) < 1:
+                raise ConfigFileError(f"{name} must be positive")
+        if self.k_max < 0 or self.idle_timeout < 0:
+            raise ConfigFileError("k_max and idle_timeout must not be negative")
+
+
+def config_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(os.environ.get("AHEAD_CONFIG") or Path(base) / "ahead" / "config.toml")
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    kinds = {f.name: f.type for f in fields(Settings)}
+    kind = str(kinds[name])
+    try:
+        if "float" in kind:
+            return float(value)
+        if "int" in kind:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigFileError(f"{where}: {name} must be {kind}, not {value!r}") from None
+
+
+def load_settings(path: Path | None = None, env: dict[str, str] | None = None) -> Settings:
+    path = path or config_path()
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    if path.exists():
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigFileError(f"{path}: {e}") from None
+        known = {f.name for f in fields(Settings)}
+        for key, value in raw.items():
+            if key not in known:
+                raise ConfigFileError(f"{path}: unknown key {key!r}; known: "
+                                      f"{', '.join(sorted(known))}")
+            values[key] = _coerce(key, value, str(path))
+    for f in fields(Settings):
+        var = f"AHEAD_{f.name.upper()}"
+        if env.get(var):
+            values[f.name] = _coerce(f.name, env[var], var)
+    try:
+        return Settings(**values)
+    except ConfigFileError as e:
+        raise ConfigFileError(f"{path}: {e}") from None

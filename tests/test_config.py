@@ -1,0 +1,67 @@
+"""The config file and the environment."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from daemon import protocol as p
+from daemon.client import Client
+from daemon.config import ConfigFileError, load_settings
+from daemon.server import InstanceLock, Server
+from engine.generate import Engine
+
+
+def test_file_then_environment(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('model = "/models/a"\nidle_timeout = 60\nk_max = 4\n')
+    s = load_settings(cfg, env={"AHEAD_K_MAX": "2"})
+    assert (s.model, s.idle_timeout, s.k_max, s.slots) == ("/models/a", 60.0, 2, 4)
+    assert load_settings(tmp_path / "missing.toml", env={}).model is None
+
+
+@pytest.mark.parametrize(("text", "env", "message"), [
+    ("modle = 'x'\n", {}, "unknown key 'modle'"),
+    ("k_max = 'many'\n", {}, "k_max must be"),
+    ("k_max = 2.5\n", {}, "k_max must be"),
+    ("dtype = 'fp8'\n", {}, "dtype must be"),
+    ("slots = 0\n", {}, "slots must be positive"),
+    ("k_max = [\n", {}, "config.toml"),
+    ("", {"AHEAD_MAX_SEQ_LEN": "lots"}, "AHEAD_MAX_SEQ_LEN: max_seq_len must be"),
+])
+def test_bad_settings_name_the_file_and_key(tmp_path: Path, text: str, env: dict,
+                                            message: str) -> None:
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigFileError, match=message):
+        load_settings(cfg, env=env)
+
+
+async def test_the_daemon_follows_the_config_file_to_another_model(
+        trained_engine: Engine, trained_dir: Path, random_dir: Path, tmp_path: Path) -> None:
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    config = conf_dir / "config.toml"
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    server = Server(trained_engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+                    model_name=str(trained_dir), watch_debounce_ms=100, config_file=config,
+                    loader=lambda path: Engine.load(path, max_seq_len=256, k_max=2))
+    ready = asyncio.Event()
+    task = asyncio.create_task(server.serve(on_ready=ready.set))
+    await asyncio.wait_for(ready.wait(), 30)
+    assert server.reloader is not None
+    config.write_text("modle = 1\n")  # a broken config is reported and changes nothing
+    assert "unknown key" in await asyncio.wait_for(server.reloader.results.get(), 30)
+    config.write_text(f"model = {str(random_dir)!r}\n")
+    assert await asyncio.wait_for(server.reloader.results.get(), 30) == "ok"
+    client = Client(server.socket_path, autostart=False)
+    info = await client.status()
+    assert info["serving"] == str(random_dir) and info["reloads"] == 1
+    await client.run(p.Generate(id=0, prompt="x", max_tokens=2))
+    assert server.scheduler.engine is not trained_engine
+    await client.close()
+    server.stop()
+    await asyncio.wait_for(task, 30)
