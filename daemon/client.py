@@ -13,8 +13,9 @@ import itertools
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
+from typing import Any
 
 from daemon import paths
 from daemon import protocol as p
@@ -135,7 +136,7 @@ class Client:
                 q.put_nowait(None)  # the daemon went away
 
     async def stream(self, msg: p.Complete | p.Generate | p.Status | p.Shutdown,
-                     ) -> AsyncIterator[p.Reply]:
+                     ) -> AsyncGenerator[p.Reply, None]:
         """Send a request (its id is assigned here) and yield its replies to the last one."""
         await self.connect()
         msg.id = next(self._ids)
@@ -193,3 +194,49 @@ async def _read_reply(reader: asyncio.StreamReader) -> p.Reply | None:
 
 _decoder = p.reply_decoder()
 
+
+
+class SyncClient:
+    """A blocking face for short-lived programs (the CLI, hooks): one event loop of its own."""
+
+    def __init__(self, **kw: Any) -> None:
+        self._runner = asyncio.Runner()
+        self._client = Client(**kw)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(self, msg: p.Complete | p.Generate) -> Iterator[str]:
+        """The answer's text as it streams; the final text of a deadline cut may be shorter,
+        so use `run` when only the whole answer matters."""
+        agen = self._client.stream(msg)
+
+        async def next_reply() -> p.Reply:
+            return await anext(agen)
+
+        try:
+            while True:
+                reply = self._runner.run(next_reply())
+                if isinstance(reply, p.Chunk):
+                    yield reply.text
+                elif isinstance(reply, p.Error):
+                    raise RequestFailed(reply.code, reply.message)
+                elif isinstance(reply, p.Done):
+                    return
+        except StopAsyncIteration:
+            return
+        finally:  # a caller who stops early (Ctrl-C) cancels the request
+            self._runner.run(agen.aclose())
+
+    def run(self, msg: p.Complete | p.Generate) -> p.Done:
+        return self._runner.run(self._client.run(msg))
+
+    def status(self) -> dict:
+        return self._runner.run(self._client.status())
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.close()

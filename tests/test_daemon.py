@@ -360,3 +360,20 @@ async def test_hot_swap_keeps_serving_through_a_corrupt_checkpoint(
     await client.close()
     server.stop()
     await asyncio.wait_for(task, TIMEOUT)
+
+
+async def test_sync_client_streams_and_cancels_when_the_caller_stops(daemon: Server) -> None:
+    from daemon.client import SyncClient
+
+    def use() -> tuple[str, str]:
+        with SyncClient(socket_path=daemon.socket_path, autostart=False) as c:
+            whole = c.run(p.Generate(id=0, prompt=PROMPT, max_tokens=10)).text
+            streamed = "".join(c.stream(p.Generate(id=0, prompt=PROMPT, max_tokens=10)))
+            for _ in c.stream(p.Generate(id=0, prompt=PROMPT, max_tokens=300, k=0)):
+                break  # the caller walks away after the first piece
+            return whole, streamed
+
+    whole, streamed = await asyncio.to_thread(use)
+    assert whole == streamed and whole
+    assert await asyncio.to_thread(daemon.scheduler.wait_idle, TIMEOUT)
+    assert daemon.scheduler.counters.cancelled == 1
