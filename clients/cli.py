@@ -152,6 +152,13 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lsp(args: argparse.Namespace) -> int:
+    from lsp.server import main as serve_lsp
+
+    serve_lsp()
+    return 0
+
+
 def cmd_new_model(args: argparse.Namespace) -> int:
     from engine.synthetic import write_checkpoint
 
@@ -278,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     daemon_cmds.add_parsers(sub, _add_model_args, _load_engine, _model_dir)
+    lsp = sub.add_parser("lsp", help="the language server editors start (stdio)")
+    lsp.set_defaults(func=cmd_lsp)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
                          "ahead and for tests; random or briefly trained weights)")

@@ -160,6 +160,13 @@ class Client:
                 with contextlib.suppress(ConnectionError):
                     self._writer.write(p.encode(p.Cancel(id=msg.id)))
 
+    async def notify(self, msg: p.Feedback) -> None:
+        """Send a message that has no answer."""
+        await self.connect()
+        if self._writer is None:
+            raise DaemonUnavailable("the daemon closed the connection")
+        self._writer.write(p.encode(msg))
+
     async def run(self, msg: p.Complete | p.Generate) -> p.Done:
         """The whole answer of a completion or generation. A request the daemon died before
         answering at all is sent once more (to a restarted daemon): it has no side effects."""

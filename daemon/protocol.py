@@ -21,6 +21,7 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 HEADER_BYTES = 4
 
 Priority = Literal["editor", "cli", "batch"]
+FeedbackEvent = Literal["shown", "accepted", "partial", "dismissed"]
 
 
 class FrameError(Exception):
@@ -97,7 +98,7 @@ class Feedback(_Msg, tag="feedback"):
 
     id: int
     request: int
-    event: Literal["shown", "accepted", "partial", "dismissed"]
+    event: FeedbackEvent
     chars: int = 0
 
 

@@ -37,3 +37,11 @@ def trained_engine(trained_dir: Path) -> Engine:
 @pytest.fixture(scope="session")
 def random_engine(random_dir: Path) -> Engine:
     return Engine.load(random_dir, max_seq_len=512, k_max=8)
+
+
+@pytest.fixture(scope="session")
+def model_dir(trained_dir: Path) -> Path:
+    """The bundled model: what users run, and the fixture of end-to-end tests."""
+    from engine.bundled import bundled_model_dir
+
+    return bundled_model_dir() or trained_dir

@@ -1,0 +1,149 @@
+"""`ahead lsp`: inline completions over the Language Server Protocol (stdio).
+
+Thin handlers; the work lives in `lsp.completion` (context, daemon round trip, clean-up). It
+imports no torch: the model lives in the daemon, started on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from lsprotocol import types
+from pygls.lsp.server import LanguageServer
+
+from daemon.client import Client
+from lsp.completion import Completer, Settings
+
+VERSION = "0.1.0"
+ACCEPT_COMMAND = "ahead.accepted"
+
+
+class AheadServer(LanguageServer):
+    def __init__(self, client: Client | None = None) -> None:
+        super().__init__("ahead", VERSION)
+        self.settings = Settings()
+        self.completer = Completer(client or Client(client_name="ahead-lsp"), self.settings,
+                                   session=uuid.uuid4().hex, warn=self._warn_once)
+        self._warned = False
+        self._connecting: asyncio.Task[None] | None = None
+
+    def _warn_once(self, message: str) -> None:
+        """The daemon being down is said once per session, not on every keystroke."""
+        if not self._warned:
+            self._warned = True
+            self.window_show_message(types.ShowMessageParams(
+                type=types.MessageType.Error, message=f"ahead: {message}"))
+
+    async def start_daemon(self) -> None:
+        """Connect (starting the daemon if need be), shown as work-done progress."""
+        token = str(uuid.uuid4())
+        progress = self.work_done_progress
+        try:
+            await progress.create_async(token)
+            progress.begin(token, types.WorkDoneProgressBegin(
+                title="ahead", message="starting the model daemon"))
+        except Exception:  # a client without progress support still gets completions
+            token = ""
+        try:
+            welcome = await self.completer.client.connect()
+            message = f"model ready: {welcome.model}"
+            self._warned = False
+        except Exception as e:  # any failure is reported; the server lives on
+            message = f"the daemon is not available: {e}"
+            self._warn_once(message)
+        if token:
+            progress.end(token, types.WorkDoneProgressEnd(message=message))
+
+
+server = AheadServer()
+
+
+@server.feature(types.INITIALIZE)
+def initialize(ls: AheadServer, params: types.InitializeParams) -> None:
+    """Read the client's initialization options."""
+    ls.settings.update(params.initialization_options)
+    if ls.settings.model:  # for the daemon this server starts, if none is running
+        ls.completer.client.serve_args = ["--model", ls.settings.model]
+
+
+@server.feature(types.INITIALIZED)
+def initialized(ls: AheadServer, params: types.InitializedParams) -> None:
+    """Start the daemon early, so the first completion does not wait for the model."""
+    ls._connecting = asyncio.ensure_future(ls.start_daemon())
+
+
+@server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+def did_change_configuration(ls: AheadServer,
+                             params: types.DidChangeConfigurationParams) -> None:
+    """Apply settings sent by the client."""
+    settings = params.settings
+    if isinstance(settings, dict):
+        ls.settings.update(settings.get("ahead", settings))
+
+
+@server.feature(types.TEXT_DOCUMENT_DID_OPEN)
+def did_open(ls: AheadServer, params: types.DidOpenTextDocumentParams) -> None:
+    """Remember the file as context for completions in other files."""
+    ls.completer.note(params.text_document.uri, params.text_document.text, None)
+
+
+@server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+def did_change(ls: AheadServer, params: types.DidChangeTextDocumentParams) -> None:
+    """Keep the context from this file fresh around the edit."""
+    doc = ls.workspace.get_text_document(params.text_document.uri)
+    change = params.content_changes[-1] if params.content_changes else None
+    line = change.range.start.line if isinstance(
+        change, types.TextDocumentContentChangePartial) else None
+    ls.completer.note(doc.uri, doc.source, line)
+
+
+@server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
+def did_close(ls: AheadServer, params: types.DidCloseTextDocumentParams) -> None:
+    """Forget a closed file's context."""
+    ls.completer.forget(params.text_document.uri)
+
+
+@server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
+async def inline_completion(ls: AheadServer, params: types.InlineCompletionParams,
+                            ) -> types.InlineCompletionList | None:
+    """Suggest the code that follows the cursor, as ghost text."""
+    found = await ls.completer.complete(ls.workspace, params.text_document.uri,
+                                        params.position)
+    if found is None:
+        return None
+    text, at = found
+    item = types.InlineCompletionItem(
+        insert_text=text, range=types.Range(start=at, end=at),
+        command=types.Command(title="accepted", command=ACCEPT_COMMAND,
+                              arguments=[len(text)]))
+    return types.InlineCompletionList(items=[item])
+
+
+@server.feature(types.TEXT_DOCUMENT_COMPLETION)
+async def completion(ls: AheadServer, params: types.CompletionParams,
+                     ) -> types.CompletionList | None:
+    """The same suggestion as a completion item, for clients without inline completion."""
+    found = await ls.completer.complete(ls.workspace, params.text_document.uri,
+                                        params.position)
+    if found is None:
+        return None
+    text, at = found
+    item = types.CompletionItem(
+        label=text.splitlines()[0].strip() or text.strip(), kind=types.CompletionItemKind.Text,
+        text_edit=types.TextEdit(range=types.Range(start=at, end=at), new_text=text),
+        command=types.Command(title="accepted", command=ACCEPT_COMMAND,
+                              arguments=[len(text)]))
+    return types.CompletionList(is_incomplete=True, items=[item])
+
+
+@server.command(ACCEPT_COMMAND)
+async def accepted(ls: AheadServer, args: Any) -> None:
+    """A suggestion was accepted (fully, or in part: the number of characters taken)."""
+    chars = args[0] if isinstance(args, list) and args and isinstance(args[0], int) else 0
+    await ls.completer.feedback("accepted", chars)
+
+
+def main() -> None:
+    server.start_io()

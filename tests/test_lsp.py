@@ -1,0 +1,171 @@
+"""`ahead lsp` end to end: a real LSP client over stdio, a real daemon, a real model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from lsprotocol import types
+from pygls.exceptions import JsonRpcRequestCancelled
+from pytest_lsp import ClientServerConfig, LanguageClient
+
+from daemon.client import Client
+
+PY = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    "
+
+
+async def start(model: Path, tmp: Path, encoding: str = "utf-16",
+                options: dict | None = None) -> LanguageClient:
+    env = {**os.environ, "AHEAD_RUNTIME_DIR": str(tmp / "rt"), "AHEAD_STATE_DIR": str(tmp / "st")}
+    config = ClientServerConfig(server_command=[sys.executable, "-m", "clients.cli", "lsp"],
+                                server_env=env)
+    client = await config.start()
+    caps = types.ClientCapabilities(
+        general=types.GeneralClientCapabilities(position_encodings=[encoding]),
+        window=types.WindowClientCapabilities(work_done_progress=True))
+    result = await client.initialize_session(types.InitializeParams(
+        capabilities=caps, initialization_options={"model": str(model), "budgetMs": 20000,
+                                                   "maxTokens": 24, **(options or {})}))
+    assert result.capabilities.inline_completion_provider is not None
+    assert result.capabilities.position_encoding == encoding
+    return client
+
+
+async def stop(client: LanguageClient, tmp: Path) -> None:
+    await client.shutdown_session()
+    await client.stop()
+    daemon = Client(tmp / "rt" / "daemon.sock", autostart=False)
+    await daemon.shutdown()  # the daemon the server started outlives it by design
+    await daemon.close()
+
+
+@pytest_asyncio.fixture
+async def lsp(model_dir: Path, tmp_path: Path) -> AsyncIterator[LanguageClient]:
+    client = await start(model_dir, tmp_path)
+    yield client
+    await stop(client, tmp_path)
+
+
+def open_doc(client: LanguageClient, text: str, name: str = "a.py",
+             language: str = "python") -> str:
+    uri = f"file:///tmp/{uuid.uuid4().hex}/{name}"
+    client.text_document_did_open(types.DidOpenTextDocumentParams(
+        text_document=types.TextDocumentItem(uri=uri, language_id=language, version=1,
+                                             text=text)))
+    return uri
+
+
+def end_of(text: str, encoding: str = "utf-16") -> types.Position:
+    lines = text.split("\n")
+    last = lines[-1]
+    units = {"utf-8": len(last.encode()), "utf-16": len(last.encode("utf-16-le")) // 2,
+             "utf-32": len(last)}[encoding]
+    return types.Position(line=len(lines) - 1, character=units)
+
+
+def inline(client: LanguageClient, uri: str,
+           pos: types.Position) -> asyncio.Future[types.InlineCompletionList | None]:
+    return client.text_document_inline_completion_async(types.InlineCompletionParams(
+        text_document=types.TextDocumentIdentifier(uri=uri), position=pos,
+        context=types.InlineCompletionContext(
+            trigger_kind=types.InlineCompletionTriggerKind.Automatic)))
+
+
+async def test_inline_completion_in_a_python_file(lsp: LanguageClient) -> None:
+    uri = open_doc(lsp, PY)
+    result = await inline(lsp, uri, end_of(PY))
+    assert result is not None and result.items
+    item = result.items[0]
+    assert isinstance(item.insert_text, str) and item.insert_text.strip()
+    assert item.range == types.Range(start=end_of(PY), end=end_of(PY))
+    assert lsp.progress_reports  # the daemon's start was shown as progress
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16", "utf-32"])
+async def test_ranges_in_each_position_encoding(model_dir: Path, tmp_path: Path,
+                                                encoding: str) -> None:
+    client = await start(model_dir, tmp_path, encoding)
+    try:
+        text = "label = 'é中文🎉'  # ünïcode\ndef greet(name):\n    return 'héllo 🎉' + "
+        uri = open_doc(client, text)
+        pos = end_of(text, encoding)
+        result = await inline(client, uri, pos)
+        if result is not None:  # the model may have nothing to add; the range must be right
+            assert result.items[0].range == types.Range(start=pos, end=pos)
+        # A position past the end of the line is clamped to it, in the client's units.
+        past = types.Position(line=0, character=200)
+        result = await inline(client, uri, past)
+        if result is not None:
+            first = "label = 'é中文🎉'  # ünïcode"
+            assert result.items[0].range.start == end_of(first, encoding)
+    finally:
+        await stop(client, tmp_path)
+
+
+async def test_cancel_request_gets_the_cancelled_error_and_stops_the_daemon(
+        lsp: LanguageClient, tmp_path: Path) -> None:
+    uri = open_doc(lsp, PY)
+    await inline(lsp, uri, end_of(PY))  # the daemon is up and warm
+    msg_id = str(uuid.uuid4())
+    future = lsp.protocol.send_request(
+        types.TEXT_DOCUMENT_INLINE_COMPLETION,
+        types.InlineCompletionParams(
+            text_document=types.TextDocumentIdentifier(uri=uri),
+            position=types.Position(line=0, character=0),
+            context=types.InlineCompletionContext(
+                trigger_kind=types.InlineCompletionTriggerKind.Invoked)),
+        msg_id=msg_id)
+    lsp.protocol.notify(types.CANCEL_REQUEST, types.CancelParams(id=msg_id))
+    with pytest.raises(JsonRpcRequestCancelled):
+        await asyncio.wait_for(asyncio.wrap_future(future), 30)
+    daemon = Client(tmp_path / "rt" / "daemon.sock", autostart=False)
+    info = await daemon.status()
+    await daemon.close()
+    assert info["counts"]["cancelled"] + info["counts"]["requests_completed"] >= 2
+
+
+async def test_a_burst_answers_only_the_last(lsp: LanguageClient) -> None:
+    uri = open_doc(lsp, PY)
+    await inline(lsp, uri, end_of(PY))
+    text = PY
+    futures = []
+    for ch in "return":  # typing, a request per keystroke, none awaited
+        text += ch
+        lsp.text_document_did_change(types.DidChangeTextDocumentParams(
+            text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=len(text)),
+            content_changes=[types.TextDocumentContentChangeWholeDocument(text=text)]))
+        futures.append(inline(lsp, uri, end_of(text)))
+    results = await asyncio.gather(*futures)
+    assert all(r is None for r in results[:-1])
+    assert results[-1] is not None and results[-1].items
+
+
+async def test_bad_input_gets_an_empty_answer_and_the_server_keeps_serving(
+        lsp: LanguageClient) -> None:
+    unknown = "file:///nowhere/never-opened.py"
+    assert await inline(lsp, unknown, types.Position(line=0, character=0)) is None
+    uri = open_doc(lsp, "x = 1\n")
+    assert await inline(lsp, uri, types.Position(line=40, character=3)) is None  # past the end
+    binary = open_doc(lsp, "PK\x03\x04\x00\x00binary\x00data", "blob.py")
+    assert await inline(lsp, binary, types.Position(line=0, character=4)) is None
+    huge = "# filler line of a very large file\n" * 600_000 + "def f(x):\n    "  # ~21 MB
+    big = open_doc(lsp, huge, "big.py")
+    await inline(lsp, big, end_of(huge))  # answered (or empty) without choking
+    uri = open_doc(lsp, PY)
+    result = await inline(lsp, uri, end_of(PY))
+    assert result is not None and result.items
+
+
+async def test_disabled_language_gets_nothing(model_dir: Path, tmp_path: Path) -> None:
+    client = await start(model_dir, tmp_path, options={"enable": {"markdown": False}})
+    try:
+        uri = open_doc(client, "# Title\n\nSome text ", "a.md", "markdown")
+        assert await inline(client, uri, types.Position(line=2, character=10)) is None
+    finally:
+        await stop(client, tmp_path)
