@@ -159,6 +159,22 @@ def cmd_lsp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_lsp(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from clients.bench_lsp import bench_lsp, format_report
+    from engine.corpus import heldout_stdlib_files
+
+    file = Path(args.file) if args.file else heldout_stdlib_files()[0]
+    if not file.is_file():
+        raise CliError(f"file {file} does not exist")
+    result = asyncio.run(bench_lsp(_model_dir(args), file, keystrokes=args.keystrokes))
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def cmd_new_model(args: argparse.Namespace) -> int:
     from engine.synthetic import write_checkpoint
 
@@ -262,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--seed", type=int, default=0)
     pipe.add_argument("--json", help="write the results to this file")
     pipe.set_defaults(func=cmd_bench_pipeline)
+    lspb = bench_sub.add_parser("lsp", help="the language server's own time per completion")
+    lspb.add_argument("--model", help="checkpoint directory (default: the bundled model)")
+    lspb.add_argument("--file", help="the file to type (default: a held-out stdlib module)")
+    lspb.add_argument("--keystrokes", type=int, default=100)
+    lspb.add_argument("--json", help="write the results to this file")
+    lspb.set_defaults(func=cmd_bench_lsp)
 
     tr = sub.add_parser("train", help="train the bundled code model (resumes from OUT)")
     tr.add_argument("--out", default="runs/ahead-small", help="run directory")

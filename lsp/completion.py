@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +72,8 @@ class Completer:
                  warn: Callable[[str], None]) -> None:
         self.client, self.settings, self.session, self.warn = client, settings, session, warn
         self.extra = ExtraContext()
+        self.overhead_ms: deque[float] = deque(maxlen=5000)  # per answered request
+        self.daemon_ms: deque[float] = deque(maxlen=5000)  # its wait for the daemon
 
     def note(self, uri: str, text: str, line: int | None) -> None:
         if "\x00" not in text[:BINARY_SNIFF]:
@@ -81,6 +85,7 @@ class Completer:
     async def complete(self, workspace: Workspace, uri: str,
                        position: types.Position) -> tuple[str, types.Position] | None:
         """The suggestion and where it goes (client units), or None for nothing to show."""
+        t0 = time.perf_counter()
         doc = workspace.text_documents.get(uri)
         if doc is None or not self.settings.enabled(doc.language_id or ""):
             return None
@@ -92,6 +97,7 @@ class Completer:
         offset = doc.offset_at_server_position(server_at)
         at = doc.position_codec.position_to_client_units(lines, server_at)  # clamped
         req, before, after = self._request(doc.uri, doc.language_id or "", text, offset)
+        t1 = time.perf_counter()
         try:
             done = await self.client.run(req)
         except RequestFailed as e:
@@ -101,8 +107,12 @@ class Completer:
         except DaemonUnavailable as e:
             self.warn(f"the daemon is not available: {e}")
             return None
+        t2 = time.perf_counter()
         shown = postprocess(done.text, line_before_cursor=before, line_after_cursor=after,
                             suffix=req.suffix, multiline=req.multiline)
+        # Our own time: everything but the wait for the daemon.
+        self.overhead_ms.append((time.perf_counter() - t0 - (t2 - t1)) * 1000)
+        self.daemon_ms.append((t2 - t1) * 1000)
         return (shown, at) if shown else None
 
     def _request(self, uri: str, language: str, text: str,

@@ -14,10 +14,12 @@ from lsprotocol import types
 from pygls.lsp.server import LanguageServer
 
 from daemon.client import Client
+from daemon.stats import percentiles
 from lsp.completion import Completer, Settings
 
 VERSION = "0.1.0"
 ACCEPT_COMMAND = "ahead.accepted"
+STATS_REQUEST = "ahead/stats"
 
 
 class AheadServer(LanguageServer):
@@ -38,14 +40,13 @@ class AheadServer(LanguageServer):
 
     async def start_daemon(self) -> None:
         """Connect (starting the daemon if need be), shown as work-done progress."""
-        token = str(uuid.uuid4())
-        progress = self.work_done_progress
-        try:
+        token, progress = "", self.work_done_progress
+        window = self.client_capabilities.window
+        if window is not None and window.work_done_progress:
+            token = str(uuid.uuid4())
             await progress.create_async(token)
             progress.begin(token, types.WorkDoneProgressBegin(
                 title="ahead", message="starting the model daemon"))
-        except Exception:  # a client without progress support still gets completions
-            token = ""
         try:
             welcome = await self.completer.client.connect()
             message = f"model ready: {welcome.model}"
@@ -136,6 +137,13 @@ async def completion(ls: AheadServer, params: types.CompletionParams,
         command=types.Command(title="accepted", command=ACCEPT_COMMAND,
                               arguments=[len(text)]))
     return types.CompletionList(is_incomplete=True, items=[item])
+
+
+@server.feature(STATS_REQUEST)
+def stats(ls: AheadServer, params: Any) -> dict[str, Any]:
+    """The server's own time per completion (not the daemon's), for `ahead bench lsp`."""
+    c = ls.completer
+    return {"overhead_ms": percentiles(list(c.overhead_ms)), "daemon_ms": list(c.daemon_ms)}
 
 
 @server.command(ACCEPT_COMMAND)

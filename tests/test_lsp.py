@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -169,3 +172,56 @@ async def test_disabled_language_gets_nothing(model_dir: Path, tmp_path: Path) -
         assert await inline(client, uri, types.Position(line=2, character=10)) is None
     finally:
         await stop(client, tmp_path)
+
+
+NVIM = shutil.which("nvim")
+
+
+@pytest.mark.skipif(NVIM is None, reason="Neovim is not installed (.ci/run installs it)")
+async def test_headless_neovim_receives_a_completion(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    env = {**os.environ, "AHEAD_RUNTIME_DIR": str(tmp_path / "rt"),
+           "AHEAD_STATE_DIR": str(tmp_path / "st"), "AHEAD_NVIM_OUT": str(out),
+           "AHEAD_NVIM_FILE": str(tmp_path / "a.py"), "AHEAD_PYTHON": sys.executable,
+           "AHEAD_MODEL_DIR": str(model_dir)}
+    script = Path(__file__).parent / "nvim" / "complete.lua"
+    proc = await asyncio.create_subprocess_exec(
+        NVIM, "--headless", "-u", "NONE", "-c", f"luafile {script}", env=env,
+        cwd=Path(__file__).parent.parent, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 180)
+    daemon = Client(tmp_path / "rt" / "daemon.sock", autostart=False)
+    await daemon.shutdown()
+    await daemon.close()
+    result = out.read_text() if out.exists() else f"no output; stderr: {err.decode()}"
+    assert result.startswith("ok:") and result[3:].strip(), result
+
+
+def test_the_language_server_imports_no_torch() -> None:
+    code = "import sys, lsp.server; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"]
+
+
+async def test_accepting_a_suggestion_reaches_the_daemons_stats(lsp: LanguageClient,
+                                                                tmp_path: Path) -> None:
+    uri = open_doc(lsp, PY)
+    await inline(lsp, uri, end_of(PY))
+    await lsp.workspace_execute_command_async(types.ExecuteCommandParams(
+        command="ahead.accepted", arguments=[12]))
+    daemon = Client(tmp_path / "rt" / "daemon.sock", autostart=False)
+    info = await daemon.status()
+    await daemon.close()
+    assert info["counts"].get("accepted") == 1
+
+
+def test_bench_lsp_reports_the_servers_own_time(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "lsp.json"
+    proc = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "lsp", "--model",
+                           str(model_dir), "--keystrokes", "8", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["overhead_ms"]["n"] == 8 and result["overhead_ms"]["p50"] >= 0
+    assert result["overhead_ms"]["p50"] <= result["round_trip_ms"]["p50"]
