@@ -17,6 +17,7 @@ from daemon.scheduler import PRIORITIES, Job, Scheduler
 from engine.generate import Engine, Generation, GenParams
 from engine.prompt import completion_prompt
 
+_OVERLAP = 4096  # characters of the earlier prefix's end that must match
 Send = Callable[[p.Reply], None]  # thread-safe: hands a frame to the connection's writer
 
 
@@ -118,16 +119,27 @@ class Requests:
         return self.scheduler.submit(job)
 
     def _typed(self, key: tuple[str, str], req: p.Complete) -> tuple[Job, str] | None:
+        """The earlier completion this request types through, and the text typed.
+
+        The prefix must be the earlier prefix plus text that completion produced. Clients
+        send windows cut at line boundaries, so as the cursor moves a line may drop off the
+        window's start: the earlier prefix is compared by its end, not its start.
+        """
         last = self._last.get(key)
-        if last is None or last.suffix != req.suffix or not req.prefix.startswith(last.prefix):
+        if last is None or last.suffix != req.suffix:
             return None
-        typed = req.prefix[len(last.prefix):]
         job = last.job
-        if job.cancelled or not job.text.startswith(typed):
-            return None
-        if job.finish_reason is not None and job.finish_reason not in ("stop", "length"):
+        if job.cancelled or job.finish_reason not in (None, "stop", "length"):
             return None  # an error or a deadline cut: its text is no promise of the rest
-        return job, typed
+        new, old, text = req.prefix, last.prefix, job.text
+        for t in range(min(len(text), len(new)), -1, -1):
+            head = new[:len(new) - t]
+            overlap = min(len(old), len(head), _OVERLAP)
+            same_before = (head[len(head) - overlap:] == old[len(old) - overlap:]) if overlap \
+                else head == old
+            if same_before and new[len(new) - t:] == text[:t]:
+                return job, text[:t]
+        return None
 
     def _fim_maker(self, req: p.Complete) -> Callable[[Engine], Generation]:
         def make(engine: Engine) -> Generation:

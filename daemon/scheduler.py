@@ -206,8 +206,8 @@ class Scheduler:
                 listener.text(job.text[max(start, listener.skip):])
 
     def _finish(self, job: Job, reason: str) -> None:
-        if reason == "deadline" and job.multiline and "\n" in job.text:
-            job.text = job.text[: job.text.rindex("\n") + 1]  # whole lines only
+        if reason == "deadline" and job.multiline:
+            job.text = job.text[: job.text.rfind("\n") + 1]  # whole lines only, maybe none
         job.finish_reason = reason
         job.finished = time.monotonic()
         self.counters.completed += 1

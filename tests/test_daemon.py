@@ -92,6 +92,16 @@ async def test_typing_through_a_suggestion_costs_no_model_work(daemon: Server) -
                                             max_tokens=16))
         assert again.text == first.text[typed:] and again.stats.typed_through
     assert daemon.scheduler.counters.steps == steps
+    # The client's window may drop a line at its start as the cursor moves on.
+    cut = PROMPT.index("\n") + 1
+    shifted = await client.run(p.Complete(id=0, session="s", document="b.py",
+                                          prefix=PROMPT[cut:] + first.text[:2], suffix="\n",
+                                          max_tokens=16))
+    assert shifted.stats.typed_through and shifted.text == first.text[2:]
+    # Text that is not the suggestion is new work.
+    other = await client.run(p.Complete(id=0, session="s", document="b.py",
+                                        prefix=PROMPT + "#", suffix="\n", max_tokens=4))
+    assert not other.stats.typed_through or first.text.startswith("#")
     await client.close()
 
 
