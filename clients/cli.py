@@ -175,6 +175,12 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_docstrings(args: argparse.Namespace) -> int:
+    from clients.docstrings import command
+
+    return command(args, _load_engine, _model_dir)
+
+
 def cmd_new_model(args: argparse.Namespace) -> int:
     from engine.synthetic import write_checkpoint
 
@@ -309,6 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     daemon_cmds.add_parsers(sub, _add_model_args, _load_engine, _model_dir)
     lsp = sub.add_parser("lsp", help="the language server editors start (stdio)")
     lsp.set_defaults(func=cmd_lsp)
+
+    doc = sub.add_parser("docstrings", help="add docstrings the model writes to Python "
+                         "functions and classes lacking one (exit 1 when a file changed)")
+    doc.add_argument("files", nargs="+", metavar="FILE", help="Python files to edit in place")
+    _add_model_args(doc)
+    doc.add_argument("--max-tokens", type=int, default=48, help="most tokens per docstring")
+    doc.add_argument("--check", action="store_true",
+                     help="only report what would change; files are left as they are")
+    doc.add_argument("--no-daemon", action="store_true",
+                     help="run the model in this process instead of through the daemon")
+    doc.set_defaults(func=cmd_docstrings)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
                          "ahead and for tests; random or briefly trained weights)")

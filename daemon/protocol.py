@@ -60,6 +60,7 @@ class Complete(_Msg, tag="complete"):
     multiline: bool = True
     budget_ms: int | None = None
     temperature: float = 0.0
+    stop: list[str] = []  # where the answer ends, besides the model's end tokens
     priority: Priority = "editor"
 
 

@@ -147,8 +147,9 @@ class Requests:
             extra = [(c.path, c.text) for c in req.extra]
             ids = completion_prompt(engine.tokenizer, req.prefix, req.suffix, max_tokens=budget,
                                     extra=extra)
+            stop = (*req.stop, *(() if req.multiline else ("\n",)))
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
-                               stop=() if req.multiline else ("\n",))
+                               stop=stop)
             return engine.start(ids, params, slot=(req.session, req.document))
 
         return make
