@@ -11,104 +11,18 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from clients import daemon_cmds
+from clients import daemon_cmds, generate_cmds
+from clients.common import CliError, add_model_args, load_engine, model_dir
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-
-
-class CliError(Exception):
-    """A failure to report as one line, without a traceback."""
-
-
-def _settings() -> Any:
-    from daemon.config import load_settings
-
-    return load_settings()
-
-
-def _model_dir(args: argparse.Namespace) -> Path:
-    from engine.bundled import bundled_model_dir
-
-    model = args.model or _settings().model or bundled_model_dir()
-    if not model:
-        raise CliError("no model given and the bundled model is missing from this install: "
-                       "pass --model DIR (a Hugging Face checkpoint directory with config.json, "
-                       "tokenizer.json and safetensors), set AHEAD_MODEL, or set model in "
-                       "the config file")
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise CliError(f"model directory {path} does not exist")
-    return path
-
-
-def _load_engine(args: argparse.Namespace) -> Any:
-    import torch
-
-    from engine.generate import Engine
-
-    cfg = _settings()  # flags win over the config file and AHEAD_* variables
-    device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    dtype = dtypes[args.dtype or cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
-    return Engine.load(_model_dir(args), device=device, dtype=dtype,
-                       max_seq_len=args.max_seq_len or cfg.max_seq_len,
-                       k_max=cfg.k_max if args.k_max is None else args.k_max, slots=cfg.slots)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.generate import GenParams
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt:
-        raise CliError("empty prompt")
-    engine = _load_engine(args)
-    params = GenParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
-                       top_p=args.top_p, stop=tuple(args.stop), seed=args.seed, k=args.k,
-                       speculative=not args.no_spec)
-    ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(prompt)]
-    t0 = time.perf_counter()
-    stream = not args.json
-    if stream:
-        sys.stdout.write(prompt)
-    gen = engine.generate(ids, params, on_step=lambda s: _emit(s.text) if stream else None)
-    elapsed = time.perf_counter() - t0
-    stats = _gen_stats(gen, elapsed)
-    if args.json:
-        json.dump({"prompt": prompt, "completion": gen.text, "finish_reason": gen.finish_reason,
-                   "stats": stats}, sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write("\n")
-    if args.stats and not args.json:
-        print(" ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
-    return 0
-
-
-def _emit(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-def _gen_stats(gen: Any, elapsed: float) -> dict[str, Any]:
-    s = gen.stats
-    decoded = max(len(gen.tokens) - 1, 0)
-    return {
-        "tokens": len(gen.tokens),
-        "tokens_per_s": round(decoded / s.decode_s, 1) if s.decode_s else None,
-        "accepted_per_step": round(s.accepted / s.steps, 2) if s.steps else None,
-        "k_histogram": dict(sorted(s.k_hist.items())),
-        "prefill_ms": round(s.prefill_s * 1000, 1),
-        "total_ms": round(elapsed * 1000, 1),
-    }
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from engine.bench import bench_engine, cursor_prompts, format_report, heldout_loss
     from engine.corpus import heldout_stdlib_files
 
-    engine = _load_engine(args)
+    engine = load_engine(args)
     files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
     if missing:
@@ -124,7 +38,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result = bench_engine(engine, prompts, max_new_tokens=args.max_new_tokens, ks=ks,
                           progress=progress)
     result["heldout_loss"] = heldout_loss(engine, files)
-    result["model"] = str(_model_dir(args))
+    result["model"] = str(model_dir(args))
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
     print(format_report(result))
@@ -143,7 +57,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"file {missing[0]} does not exist")
-    result = asyncio.run(bench_pipeline(_model_dir(args), files, clients=args.clients,
+    result = asyncio.run(bench_pipeline(model_dir(args), files, clients=args.clients,
                                         keystrokes=args.keystrokes,
                                         interval_ms=args.interval_ms, seed=args.seed))
     print(format_report(result))
@@ -168,7 +82,7 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     file = Path(args.file) if args.file else heldout_stdlib_files()[0]
     if not file.is_file():
         raise CliError(f"file {file} does not exist")
-    result = asyncio.run(bench_lsp(_model_dir(args), file, keystrokes=args.keystrokes))
+    result = asyncio.run(bench_lsp(model_dir(args), file, keystrokes=args.keystrokes))
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -178,7 +92,7 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
 def cmd_docstrings(args: argparse.Namespace) -> int:
     from clients.docstrings import command
 
-    return command(args, _load_engine, _model_dir)
+    return command(args, load_engine, model_dir)
 
 
 def cmd_new_model(args: argparse.Namespace) -> int:
@@ -215,31 +129,21 @@ def cmd_train(args: argparse.Namespace) -> int:
                       corpus_chars=int(args.corpus_mb * 1e6), seed=args.seed,
                       save_every=args.save_every, head_steps=args.head_steps, device=device)
     train(cfg, _log)
-    model_dir = Path(args.out) / "model"
+    trained = Path(args.out) / "model"
     if args.install:
-        _log(f"installed as the bundled model: {install_bundled(model_dir)}")
-    print(model_dir)
+        _log(f"installed as the bundled model: {install_bundled(trained)}")
+    print(trained)
     return 0
 
 
 def _train_heads(args: argparse.Namespace) -> int:
     from engine.heads import corpus_batches, heads_for
 
-    model_dir = _model_dir(args)
-    batches = corpus_batches(model_dir, args.batch_size, args.seq_len, args.seed)
-    path = heads_for(model_dir, batches, steps=args.steps, lr=args.lr, log=_log)
+    target = model_dir(args)
+    batches = corpus_batches(target, args.batch_size, args.seq_len, args.seed)
+    path = heads_for(target, batches, steps=args.steps, lr=args.lr, log=_log)
     print(path)
     return 0
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the config file's, "
-                   "$AHEAD_MODEL, else the bundled model)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
-                   help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
-    p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt, streaming to stdout")
     gen.add_argument("prompt", help="the prompt text, or - to read stdin")
-    _add_model_args(gen)
+    add_model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -259,12 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding")
     gen.add_argument("--stats", action="store_true", help="print speed figures to stderr")
     gen.add_argument("--json", action="store_true", help="one JSON object instead of a stream")
-    gen.set_defaults(func=cmd_generate)
+    gen.add_argument("--no-daemon", action="store_true", help="run the model in this process")
+    gen.set_defaults(func=generate_cmds.cmd_generate)
+
+    comp = sub.add_parser("complete", help="the completion at FILE:LINE:COL (1-based; "
+                          "FILE - reads stdin)")
+    comp.add_argument("location")
+    add_model_args(comp)
+    comp.add_argument("--max-tokens", type=int, default=64)
+    comp.add_argument("--json", action="store_true")
+    comp.add_argument("--no-daemon", action="store_true", help="run the model in this process")
+    comp.set_defaults(func=generate_cmds.cmd_complete)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     eng = bench_sub.add_parser("engine", help="AR vs MTP decoding at each K and adaptive K")
-    _add_model_args(eng)
+    add_model_args(eng)
     eng.add_argument("--files", nargs="+", help="source files to cut prompts from "
                      "(default: held-out standard-library modules)")
     eng.add_argument("--num-prompts", type=int, default=20)
@@ -312,14 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", help="with --heads-only: the model directory")
     tr.set_defaults(func=cmd_train)
 
-    daemon_cmds.add_parsers(sub, _add_model_args, _load_engine, _model_dir)
+    daemon_cmds.add_parsers(sub)
     lsp = sub.add_parser("lsp", help="the language server editors start (stdio)")
     lsp.set_defaults(func=cmd_lsp)
 
     doc = sub.add_parser("docstrings", help="add docstrings the model writes to Python "
                          "functions and classes lacking one (exit 1 when a file changed)")
     doc.add_argument("files", nargs="+", metavar="FILE", help="Python files to edit in place")
-    _add_model_args(doc)
+    add_model_args(doc)
     doc.add_argument("--max-tokens", type=int, default=48, help="most tokens per docstring")
     doc.add_argument("--check", action="store_true",
                      help="only report what would change; files are left as they are")

@@ -10,8 +10,10 @@ import os
 import sys
 from typing import Any
 
+from clients.common import add_model_args, load_engine, model_dir
 
-def cmd_serve(args: argparse.Namespace, load_engine: Any, model_dir: Any) -> int:
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from daemon import paths
     from daemon.server import AlreadyRunning, InstanceLock, Server
 
@@ -75,15 +77,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: Any, model_args: Any, load_engine: Any, model_dir: Any) -> None:
+def add_parsers(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the daemon that keeps the model resident")
-    model_args(serve)
+    add_model_args(serve)
     serve.add_argument("--idle-timeout", type=float,
                        help="exit after this many idle seconds (0: never; default 1800)")
     serve.add_argument("--no-watch", action="store_true",
                        help="do not reload when the model directory changes")
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
-    serve.set_defaults(func=lambda a: cmd_serve(a, load_engine, model_dir))
+    serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="what the daemon is doing, and its statistics")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)

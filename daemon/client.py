@@ -209,6 +209,7 @@ class SyncClient:
     def __init__(self, **kw: Any) -> None:
         self._runner = asyncio.Runner()
         self._client = Client(**kw)
+        self.done: p.Done | None = None  # the last request's final answer
 
     def __enter__(self) -> SyncClient:
         return self
@@ -232,6 +233,7 @@ class SyncClient:
                 elif isinstance(reply, p.Error):
                     raise RequestFailed(reply.code, reply.message)
                 elif isinstance(reply, p.Done):
+                    self.done = reply
                     return
         except StopAsyncIteration:
             return
@@ -243,6 +245,9 @@ class SyncClient:
 
     def status(self) -> dict:
         return self._runner.run(self._client.status())
+
+    def shutdown(self) -> None:
+        self._runner.run(self._client.shutdown())
 
     def close(self) -> None:
         self._runner.run(self._client.close())

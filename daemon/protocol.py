@@ -73,6 +73,7 @@ class Generate(_Msg, tag="generate"):
     stop: list[str] = []
     k: int | None = None
     speculative: bool = True
+    seed: int | None = None
     budget_ms: int | None = None
     priority: Priority = "cli"
 

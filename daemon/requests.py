@@ -111,7 +111,7 @@ class Requests:
             ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(req.prompt)]
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
                                top_p=req.top_p, stop=tuple(req.stop), k=req.k,
-                               speculative=req.speculative)
+                               speculative=req.speculative, seed=req.seed)
             return engine.start(ids, params, slot="generate")
 
         job = Job(make=make, listeners=[listener], priority=PRIORITIES[req.priority],

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from daemon.client import SyncClient
 
 
 def ahead(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -15,20 +18,37 @@ def ahead(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[s
                           capture_output=True, text=True, timeout=300, check=False)
 
 
-def test_generate_streams_a_completion(trained_dir: Path) -> None:
+@pytest.fixture
+def private_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Commands in this test talk to a daemon of their own, shut down afterwards."""
+    rt = tmp_path / "rt"
+    monkeypatch.setenv("AHEAD_RUNTIME_DIR", str(rt))
+    monkeypatch.setenv("AHEAD_STATE_DIR", str(tmp_path / "st"))
+    yield rt
+    if (rt / "daemon.sock").exists():
+        with SyncClient(socket_path=rt / "daemon.sock", autostart=False) as client:
+            client.shutdown()
+
+
+def test_generate_streams_a_completion_through_the_daemon(trained_dir: Path,
+                                                         private_daemon: Path) -> None:
     proc = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
                  "--stats")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def add(a, b):")
     assert len(proc.stdout) > len("def add(a, b):\n")
     assert "tokens_per_s=" in proc.stderr and "accepted_per_step=" in proc.stderr
+    assert (private_daemon / "daemon.sock").exists()  # it stays for the next command
+    here = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
+                 "--no-daemon")
+    assert here.stdout == proc.stdout
 
 
 def test_generate_json_from_stdin_is_identical_without_speculation(trained_dir: Path) -> None:
     outs = []
     for extra in ([], ["--no-spec"], ["--k", "3"]):
         proc = ahead("generate", "--model", str(trained_dir), "-", "--max-tokens", "16", "--json",
-                     *extra, stdin="import os\n")
+                     "--no-daemon", *extra, stdin="import os\n")
         assert proc.returncode == 0, proc.stderr
         outs.append(json.loads(proc.stdout))
     assert outs[0]["prompt"] == "import os\n"
@@ -38,8 +58,9 @@ def test_generate_json_from_stdin_is_identical_without_speculation(trained_dir: 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["generate", "--model", "/nonexistent/model", "x"], "does not exist"),
-    (["generate", "x"], "no model given"),
-    (["generate", "--model", "{tmp}", "x"], "config.json"),
+    (["generate", "--model", "{tmp}", "x", "--no-daemon"], "config.json"),
+    (["complete", "/nonexistent.py:1:1", "--no-daemon"], "cannot read"),
+    (["complete", "{tmp}:1", "--no-daemon"], "FILE:LINE:COL"),
     (["bench", "engine", "--model", "{model}", "--files", "/nonexistent.py"], "does not exist"),
 ])
 def test_errors_are_one_clear_line(args: list[str], message: str, tmp_path: Path,
@@ -89,3 +110,25 @@ def test_bench_pipeline_reports_its_figures(trained_dir: Path, tmp_path: Path,
         assert isinstance(result[key], float | int), key
     assert result["requests"] == 12 and result["superseded_steps_per_request"] <= 1
     assert result["overhead_ms"]["p50"] >= 0 and "p99" in result["overhead_ms"]
+
+
+def test_a_model_that_does_not_load_is_reported_through_the_daemon(
+        tmp_path: Path, private_daemon: Path) -> None:
+    proc = ahead("generate", "--model", str(tmp_path), "x")
+    assert proc.returncode == 1
+    assert "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_complete_at_a_file_position(trained_dir: Path, tmp_path: Path,
+                                     private_daemon: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("import os\n\ndef home():\n    return \n")
+    outs = []
+    for extra in (["--no-daemon"], []):
+        proc = ahead("complete", f"{src}:4:12", "--model", str(trained_dir), "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout))
+    assert outs[0] == outs[1] and outs[0]["line"] == 4 and outs[0]["multiline"] is False
+    assert src.read_text() == "import os\n\ndef home():\n    return \n"  # untouched
+    bad = ahead("complete", f"{src}:9:1", "--model", str(trained_dir), "--no-daemon")
+    assert bad.returncode == 1 and "has no line 9" in bad.stderr

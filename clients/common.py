@@ -1,0 +1,67 @@
+"""What the commands share: errors, settings, the model, the engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+class CliError(Exception):
+    """A failure to report as one line, without a traceback."""
+
+
+def settings() -> Any:
+    from daemon.config import load_settings
+
+    return load_settings()
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    from engine.bundled import bundled_model_dir
+
+    model = args.model or settings().model or bundled_model_dir()
+    if not model:
+        raise CliError("no model given and the bundled model is missing from this install: "
+                       "pass --model DIR (a Hugging Face checkpoint directory with config.json, "
+                       "tokenizer.json and safetensors), set AHEAD_MODEL, or set model in "
+                       "the config file")
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise CliError(f"model directory {path} does not exist")
+    return path
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    import torch
+
+    from engine.generate import Engine
+
+    cfg = settings()  # flags win over the config file and AHEAD_* variables
+    device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = dtypes[args.dtype or cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    return Engine.load(model_dir(args), device=device, dtype=dtype,
+                       max_seq_len=args.max_seq_len or cfg.max_seq_len,
+                       k_max=cfg.k_max if args.k_max is None else args.k_max, slots=cfg.slots)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the config file's, "
+                   "$AHEAD_MODEL, else the bundled model)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
+    p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
+
+
+
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The model flags given, passed on to a daemon this command starts."""
+    out = []
+    for flag in ("model", "device", "dtype", "max_seq_len", "k_max"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return out

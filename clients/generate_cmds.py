@@ -1,0 +1,158 @@
+"""`ahead generate` and `ahead complete`: code from the command line.
+
+Both go through the daemon (started when nobody answers) unless `--no-daemon` runs the
+engine in this process. Ctrl-C cancels the daemon's work for the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from clients.common import CliError, load_engine, serve_args
+
+EXIT_USAGE = 2
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise CliError("empty prompt")
+    stream = not args.json
+    if stream:
+        _write(prompt)
+    t0 = time.perf_counter()
+    text, reason, stats = (_generate_here if args.no_daemon else _generate_daemon)(
+        args, prompt, _write if stream else None)
+    stats["total_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+    if args.json:
+        json.dump({"prompt": prompt, "completion": text, "finish_reason": reason,
+                   "stats": stats}, sys.stdout)
+    sys.stdout.write("\n")
+    if args.stats and not args.json:
+        print(" ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+    return 0
+
+
+def _generate_here(args: argparse.Namespace, prompt: str,
+                   emit: Any) -> tuple[str, str | None, dict[str, Any]]:
+    from engine.generate import GenParams
+
+    engine = load_engine(args)
+    params = GenParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
+                       top_p=args.top_p, stop=tuple(args.stop), seed=args.seed, k=args.k,
+                       speculative=not args.no_spec)
+    ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(prompt)]
+    gen = engine.generate(ids, params, on_step=lambda s: emit(s.text) if emit else None)
+    s = gen.stats
+    decoded = max(len(gen.tokens) - 1, 0)
+    return gen.text, gen.finish_reason, {
+        "tokens": len(gen.tokens),
+        "tokens_per_s": round(decoded / s.decode_s, 1) if s.decode_s else None,
+        "accepted_per_step": round(s.accepted / s.steps, 2) if s.steps else None,
+        "k_histogram": dict(sorted(s.k_hist.items())),
+        "prefill_ms": round(s.prefill_s * 1000, 1)}
+
+
+def _generate_daemon(args: argparse.Namespace, prompt: str,
+                     emit: Any) -> tuple[str, str | None, dict[str, Any]]:
+    from daemon import protocol as p
+
+    msg = p.Generate(id=0, prompt=prompt, max_tokens=args.max_tokens,
+                     temperature=args.temperature, top_p=args.top_p, stop=list(args.stop),
+                     k=args.k, speculative=not args.no_spec, seed=args.seed)
+    done = _through_daemon(args, msg, emit)
+    return done.text, done.finish_reason, _daemon_stats(done.stats)
+
+
+def _through_daemon(args: argparse.Namespace, msg: Any, emit: Any) -> Any:
+    from daemon.client import DaemonUnavailable, RequestFailed, SyncClient
+
+    try:
+        with SyncClient(serve_args=serve_args(args), client_name="ahead-cli") as client:
+            for text in client.stream(msg):
+                if emit:
+                    emit(text)
+            assert client.done is not None
+            return client.done
+    except DaemonUnavailable as e:
+        raise CliError(f"{e} (or run with --no-daemon)") from None
+    except RequestFailed as e:
+        raise CliError(f"the daemon refused the request: {e.message}") from None
+
+
+def _daemon_stats(s: Any) -> dict[str, Any]:
+    decoded = max(s.tokens - 1, 0)
+    return {"tokens": s.tokens,
+            "tokens_per_s": round(decoded / (s.engine_ms / 1000), 1) if s.engine_ms else None,
+            "accepted_per_step": round(s.accepted / s.steps, 2) if s.steps else None,
+            "k_histogram": {int(k): v for k, v in sorted(s.k_histogram.items())},
+            "queue_ms": round(s.queue_ms, 1), "engine_ms": round(s.engine_ms, 1)}
+
+
+def parse_location(spec: str) -> tuple[Path, int, int]:
+    """FILE:LINE:COL, 1-based like compilers print them; COL counts characters."""
+    try:
+        path, line, col = spec.rsplit(":", 2)
+        return Path(path), int(line), int(col)
+    except ValueError:
+        raise CliError(f"expected FILE:LINE:COL (1-based), got {spec!r}") from None
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    from lsp.context import cursor_window
+    from lsp.postprocess import cursor_lines, postprocess, wants_multiline
+
+    path, line, col = parse_location(args.location)
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read {path}: {e}") from None
+    lines = text.split("\n")
+    if not 1 <= line <= len(lines) or not 1 <= col <= len(lines[line - 1]) + 1:
+        raise CliError(f"{path} has no line {line}, column {col}")
+    offset = sum(len(x) + 1 for x in lines[:line - 1]) + col - 1
+    window = cursor_window(text, offset)
+    c = cursor_lines(window.prefix, window.suffix)
+    multiline = wants_multiline(c.before, c.after, c.next_line, prev_line=c.prev_line)
+    raw = _complete_here(args, window.prefix, window.suffix, multiline) if args.no_daemon \
+        else _complete_daemon(args, path, window.prefix, window.suffix, multiline)
+    shown = postprocess(raw, line_before_cursor=c.before, line_after_cursor=c.after,
+                        suffix=window.suffix, multiline=multiline)
+    if args.json:
+        json.dump({"file": str(path), "line": line, "column": col, "completion": shown,
+                   "multiline": multiline}, sys.stdout)
+        sys.stdout.write("\n")
+    elif shown:
+        _write(shown + "\n")
+    return 0
+
+
+def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline: bool) -> str:
+    from engine.generate import GenParams
+    from engine.prompt import completion_prompt
+
+    engine = load_engine(args)
+    budget = engine.max_seq_len - args.max_tokens - engine.k_max - 4
+    ids = completion_prompt(engine.tokenizer, prefix, suffix, max_tokens=budget)
+    params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",))
+    return str(engine.generate(ids, params).text)
+
+
+def _complete_daemon(args: argparse.Namespace, path: Path, prefix: str, suffix: str,
+                     multiline: bool) -> str:
+    from daemon import protocol as p
+
+    msg = p.Complete(id=0, session="cli", document=str(path.resolve()), prefix=prefix,
+                     suffix=suffix, path=str(path), max_tokens=args.max_tokens,
+                     multiline=multiline, priority="cli")
+    return str(_through_daemon(args, msg, None).text)
