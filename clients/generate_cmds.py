@@ -139,12 +139,14 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline: bool) -> str:
     from engine.generate import GenParams
-    from engine.prompt import completion_prompt
+    from engine.prompt import completion_prompt, heal
 
     engine = load_engine(args)
     budget = engine.max_seq_len - args.max_tokens - engine.k_max - 4
+    prefix, forced = heal(prefix)
     ids = completion_prompt(engine.tokenizer, prefix, suffix, max_tokens=budget)
-    params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",))
+    params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",),
+                       forced=forced)
     return str(engine.generate(ids, params).text)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from daemon import protocol as p
 from daemon.scheduler import PRIORITIES, Job, Scheduler
 from engine.generate import Engine, Generation, GenParams
-from engine.prompt import completion_prompt
+from engine.prompt import completion_prompt, heal
 
 _OVERLAP = 4096  # characters of the earlier prefix's end that must match
 Send = Callable[[p.Reply], None]  # thread-safe: hands a frame to the connection's writer
@@ -145,11 +145,12 @@ class Requests:
         def make(engine: Engine) -> Generation:
             budget = engine.max_seq_len - req.max_tokens - engine.k_max - 4
             extra = [(c.path, c.text) for c in req.extra]
-            ids = completion_prompt(engine.tokenizer, req.prefix, req.suffix, max_tokens=budget,
+            prefix, forced = heal(req.prefix)
+            ids = completion_prompt(engine.tokenizer, prefix, req.suffix, max_tokens=budget,
                                     extra=extra)
             stop = (*req.stop, *(() if req.multiline else ("\n",)))
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
-                               stop=stop)
+                               stop=stop, forced=forced)
             return engine.start(ids, params, slot=(req.session, req.document))
 
         return make

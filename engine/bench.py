@@ -11,7 +11,7 @@ import random
 import statistics
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.generate import Engine, Generation, GenParams
+from engine.prompt import completion_prompt, heal
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class Prompt:
     source: str
     ids: list[int]
     line: str  # the rest of the line at the cursor, as the file has it
+    forced: str  # what the answer must start with (token healing)
 
 
 def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
@@ -54,20 +56,13 @@ def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
         line_start = sum(map(len, lines[:i]))
         cut = line_start + len(lines[i]) - len(lines[i].lstrip())
         resume = line_start + sum(map(len, lines[i:i + middle_lines])) - 1  # keep the "\n"
-        ids = _fit(engine, text, cut, resume, prefix_chars, suffix_chars, max_tokens)
-        prompts.append(Prompt(f"{f.name}:{i + 1}", ids, lines[i][cut - line_start:].rstrip()))
+        # The prompt the daemon would build for an editor sending these windows.
+        prefix, forced = heal(text[max(0, cut - prefix_chars):cut])
+        ids = completion_prompt(engine.tokenizer, prefix, text[resume:resume + suffix_chars],
+                                max_tokens=max_tokens)
+        line = lines[i][cut - line_start:].rstrip()
+        prompts.append(Prompt(f"{f.name}:{i + 1}", ids, line, forced))
     return prompts
-
-
-def _fit(engine: Engine, text: str, cut: int, resume: int, before: int, after: int,
-         max_tokens: int) -> list[int]:
-    tok = engine.tokenizer
-    while True:
-        prefix, suffix = text[max(0, cut - before):cut], text[resume:resume + after]
-        ids = tok.fim_prompt(prefix, suffix) if tok.fim else tok.encode_text(prefix)
-        if len(ids) <= max_tokens or before < 16:
-            return ids
-        before, after = before * 3 // 4, after * 3 // 4
 
 
 @torch.inference_mode()
@@ -113,7 +108,7 @@ def bench_engine(engine: Engine, prompts: list[Prompt], *, max_new_tokens: int =
     for n, prompt in enumerate(prompts):
         ar_tokens: list[int] = []
         for mode, params in modes.items():
-            gen = _run(engine, prompt, params)
+            gen = _run(engine, prompt, replace(params, forced=prompt.forced))
             s = gen.stats
             # A completion that ends after a few tokens says nothing about speed.
             decoded = len(gen.tokens) - 1

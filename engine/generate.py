@@ -32,6 +32,7 @@ class GenParams:
     seed: int | None = None
     k: int | None = None  # None: adaptive; an int: that many drafts every step
     speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
+    forced: str = ""  # the output must start with this text, which is not returned (healing)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -84,6 +85,7 @@ class Engine:
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
+        self._masks: dict[str, torch.Tensor] = {}
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
@@ -96,6 +98,21 @@ class Engine:
     def calibrate(self) -> None:
         """Measure the step cost of every K on this machine for the K policy."""
         self.policy.costs = self.measure_costs()
+
+    def tokens_starting_with(self, text: str) -> torch.Tensor | None:
+        """A mask of the vocabulary's tokens whose text starts with `text` (None for "")."""
+        if not text:
+            return None
+        if text not in self._masks:
+            vocab = self.model.cfg.vocab_size
+            texts = [self.tokenizer.decode([i]) for i in range(min(vocab,
+                                                                   self.tokenizer.vocab_size))]
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[[i for i, t in enumerate(texts) if t.startswith(text)]] = True
+            if not mask.any():
+                raise ValueError(f"no token starts with {text!r}")
+            self._masks[text] = mask.to(self.device)
+        return self._masks[text]
 
     @property
     def runner(self) -> Runner:
@@ -170,6 +187,7 @@ class Generation(Iterator[Step]):
         self._kind = TextKind.CODE
         self._started = False
         self._held = ""  # text that may begin a stop string, not yet returned
+        self._unforced = params.forced  # forced text not yet removed from the output
         self._draft_s = 0.0
 
     def __next__(self) -> Step:
@@ -178,7 +196,8 @@ class Generation(Iterator[Step]):
         r, t0 = self.engine.runner_for(self.slot), time.perf_counter()
         if not self._started:
             self._started = True
-            first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler)
+            allowed = self.engine.tokens_starting_with(self.params.forced)
+            first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler, allowed)
             self.stats.prefill_s = time.perf_counter() - t0
             step = self._commit([first], k=0, accepted=0)
         else:
@@ -248,6 +267,11 @@ class Generation(Iterator[Step]):
         text = self._decoder.push_many(kept)
         if self.finish_reason is not None:
             text += self._decoder.flush()
+        if self._unforced:  # drop the forced text from the front of the output, once
+            n = next((i for i, (a, b) in enumerate(zip(text, self._unforced, strict=False))
+                      if a != b),
+                     min(len(text), len(self._unforced)))
+            text, self._unforced = text[n:], self._unforced[n:]
         text = self._apply_stop_strings(text)
         self.text += text
         self._tail = (self._tail + text)[-256:]

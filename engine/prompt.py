@@ -12,6 +12,19 @@ from collections.abc import Sequence
 from engine.tokenizer import Tokenizer
 
 
+def heal(prefix: str) -> tuple[str, str]:
+    """Token healing for the common case: (prompt prefix, text the answer must start with).
+
+    Byte-level BPE attaches one space to the word after it ("    return" is "   " + " return"),
+    so a prefix ending in a space (indentation, "return ") stops at a token boundary the
+    model never saw in training, and it answers badly. The space moves into the answer: the
+    prompt ends one character earlier, and the answer's first token must start with it.
+    """
+    if prefix.endswith(" "):
+        return prefix[:-1], " "
+    return prefix, ""
+
+
 def _fit_lines(tok: Tokenizer, lines: list[str], budget: int, *, from_end: bool) -> str:
     """The most lines (from the end or the start) whose text encodes within `budget` tokens."""
     lo, hi = 0, len(lines)

@@ -127,11 +127,16 @@ class Runner:
         self.mtp_len, self.num_drafts = min(self.mtp_len, start), 0
         return start
 
-    def prefill(self, prompt: list[int], sampler: Sampler) -> tuple[int, int]:
-        """Run the prompt (reusing the cached common prefix). Returns (first token, reused)."""
+    def prefill(self, prompt: list[int], sampler: Sampler,
+                allowed: Tensor | None = None) -> tuple[int, int]:
+        """Run the prompt (reusing the cached common prefix). Returns (first token, reused).
+        `allowed` [V] restricts the first token (token healing)."""
         reused = self.sync(prompt)
         with torch.inference_mode():
-            first, _ = sampler.pick(self.model.head(self.hidden[:, len(prompt) - 1]))
+            logits = self.model.head(self.hidden[:, len(prompt) - 1])
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            first, _ = sampler.pick(logits)
         self.pending = int(first)
         return self.pending, reused
 

@@ -40,8 +40,10 @@ def random_engine(random_dir: Path) -> Engine:
 
 
 @pytest.fixture(scope="session")
-def model_dir(trained_dir: Path) -> Path:
+def model_dir() -> Path:
     """The bundled model: what users run, and the fixture of end-to-end tests."""
     from engine.bundled import bundled_model_dir
 
-    return bundled_model_dir() or trained_dir
+    path = bundled_model_dir()
+    assert path is not None, "the bundled model (engine/model_data) is missing"
+    return path

@@ -8,7 +8,8 @@ local function finish(text)
   vim.cmd("qall!")
 end
 
-local lines = { "def add(a, b):", "    return a + b", "", "", "def sub(a, b):", "    " }
+local lines = { "class Point:", "    def __init__(self, x, y):", "        self.x = x",
+  "        self.y = " }
 vim.api.nvim_buf_set_lines(0, 0, -1, false, lines)
 vim.bo.filetype = "python"
 vim.api.nvim_buf_set_name(0, os.getenv("AHEAD_NVIM_FILE"))
@@ -18,10 +19,11 @@ local client_id = vim.lsp.start_client({
   cmd = { os.getenv("AHEAD_PYTHON"), "-m", "clients.cli", "lsp" },
   root_dir = vim.fn.getcwd(),
   init_options = { model = os.getenv("AHEAD_MODEL_DIR"), budgetMs = 20000, maxTokens = 24 },
-  on_init = function(client)
+  -- on_attach runs once the buffer has been sent (didOpen): ask then.
+  on_attach = function(client)
     local params = {
       textDocument = { uri = vim.uri_from_bufnr(0) },
-      position = { line = #lines - 1, character = 4 },
+      position = { line = #lines - 1, character = #lines[#lines] },
       context = { triggerKind = 1 },
     }
     -- Neovim 0.7 has no inline-completion UI; the request itself is the same.
