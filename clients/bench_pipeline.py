@@ -21,6 +21,7 @@ from typing import Any
 from daemon import protocol as p
 from daemon.client import Client, RequestFailed
 from daemon.stats import percentiles
+from lsp.context import cursor_window
 
 
 @dataclass(slots=True)
@@ -34,10 +35,12 @@ class Editor:
 
 
 def _request(ed: Editor, typed: int, doc: str | None = None) -> p.Complete:
-    cut = ed.cursor + typed
+    """What `ahead lsp` sends at this keystroke (its windows, cut at line boundaries)."""
+    window = cursor_window(ed.text, ed.cursor + typed, max_prefix_chars=3000,
+                           max_suffix_chars=1000)
     return p.Complete(id=0, session=ed.name, document=doc or f"file:///{ed.name}.py",
-                      prefix=ed.text[max(0, cut - 3000):cut], suffix=ed.text[cut:cut + 1000],
-                      max_tokens=48, multiline=True)
+                      prefix=window.prefix, suffix=window.suffix, max_tokens=48,
+                      multiline=True)
 
 
 async def _timed(client: Client, req: p.Complete) -> tuple[p.Done | None, float]:

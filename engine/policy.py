@@ -63,12 +63,21 @@ class KPolicy:
         self._probe_gap = probe_every
         self._next_probe = probe_every
 
-    def rates(self, kind: TextKind) -> list[float]:
-        """Conditional acceptance estimate per draft position."""
+    def rates(self, kind: TextKind | None = None) -> list[float]:
+        """Conditional acceptance estimate per draft position, for one kind of text or (None)
+        for all of them pooled. A kind's estimate leans on the pooled one while it has few
+        observations of its own (empirical Bayes), so a rare kind is neither stuck at the
+        prior nor thrown about by a handful of steps."""
+        if kind is None:
+            table = [(sum(self.accept[k][i][0] for k in TextKind),
+                      sum(self.accept[k][i][1] for k in TextKind)) for i in range(self.k_max)]
+            base = [self.prior] * self.k_max
+        else:
+            table, base = self.accept[kind], self.rates(None)
         out, last, w = [], self.prior, self.prior_weight
-        for hits, seen in self.accept[kind]:
+        for (hits, seen), prior in zip(table, base, strict=True):
             if seen > 0:
-                last = (hits + self.prior * w) / (seen + w)
+                last = (hits + prior * w) / (seen + w)
             out.append(last)
         return out
 
