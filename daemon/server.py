@@ -324,7 +324,7 @@ class Server:
                 **self.stats.snapshot(self.counts()),
                 "acceptance_by_position": {kind.value: [round(a, 3) for a in policy.rates(kind)]
                                            for kind in policy.accept},
-                "step_cost_ms": [round(cost * 1000, 3) for cost in policy.costs]}
+                "step_cost_ms": [round(policy.cost(k) * 1000, 3) for k in range(policy.k_max + 1)]}
 
 
 def peer_uid(sock: socket.socket) -> int | None:

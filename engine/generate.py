@@ -97,7 +97,7 @@ class Engine:
 
     def calibrate(self) -> None:
         """Measure the step cost of every K on this machine for the K policy."""
-        self.policy.costs = self.measure_costs()
+        self.policy.set_costs(self.measure_costs())
 
     def tokens_starting_with(self, text: str) -> torch.Tensor | None:
         """A mask of the vocabulary's tokens whose text starts with `text` (None for "")."""
@@ -211,10 +211,12 @@ class Generation(Iterator[Step]):
                 self.finish("length")  # the context is full
                 raise StopIteration
             new = r.verify(self.sampler)
-            seconds = time.perf_counter() - t0 + self._draft_s
-            self._record(k, len(new) - 1, seconds)
+            kind = self._kind  # the drafts were made in this kind of text
             step = self._commit(new, k=k, accepted=len(new) - 1)
-            self.stats.decode_s += time.perf_counter() - t0 + self._draft_s
+            # A step's cost: its drafts, the verify, and taking in what it accepted.
+            seconds = time.perf_counter() - t0 + self._draft_s
+            self._record(k, len(new) - 1, seconds, kind)
+            self.stats.decode_s += seconds
         r.owner = self
         if self.finish_reason is None:
             self._draft_next()
@@ -236,7 +238,7 @@ class Generation(Iterator[Step]):
         r.draft(k, self.sampler)
         self._draft_s = time.perf_counter() - t0
 
-    def _record(self, k: int, accepted: int, seconds: float) -> None:
+    def _record(self, k: int, accepted: int, seconds: float, kind: TextKind) -> None:
         s = self.stats
         s.steps += 1
         s.drafted += k
@@ -249,7 +251,7 @@ class Generation(Iterator[Step]):
             s.verified_by_pos[i] += 1
             s.accepted_by_pos[i] += i < accepted
         if self.use_mtp and self.params.k is None:
-            self.engine.policy.observe(self._kind, k, accepted, seconds)
+            self.engine.policy.observe(kind, k, accepted, seconds)
 
     def _commit(self, new: list[int], *, k: int, accepted: int) -> Step:
         """Append tokens up to a stop token or the token limit, then apply stop strings."""

@@ -44,11 +44,11 @@ class KPolicy:
     """Per-kind, per-position acceptance averages and a per-K cost table."""
 
     def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.05,
-                 prior: float = 0.6, prior_weight: float = 2.0, probe_every: int = 8) -> None:
-        if len(costs) != k_max + 1 or min(costs) <= 0:
-            raise ValueError(f"need {k_max + 1} positive step costs, got {costs}")
+                 prior: float = 0.6, prior_weight: float = 2.0, probe_every: int = 8,
+                 cost_decay: float = 0.01) -> None:
+        self.cost_decay = cost_decay
         self.k_max = k_max
-        self.costs = list(costs)
+        self.set_costs(costs)
         self.decay = decay
         self.prior, self.prior_weight = prior, prior_weight
         self.probe_every = probe_every
@@ -88,14 +88,40 @@ class KPolicy:
             total += run
         return total
 
+    def set_costs(self, costs: list[float]) -> None:
+        """Measured seconds per step for each K, as a start; live steps refine them."""
+        if len(costs) != self.k_max + 1 or min(costs) <= 0:
+            raise ValueError(f"need {self.k_max + 1} positive step costs, got {costs}")
+        self.costs = list(costs)
+        # Decayed sums (n, k, k^2, c, k c) for a least-squares line c = a + b k through every
+        # drafting step seen (a step with K drafts verifies K + 1 tokens and runs K draft
+        # steps: linear in K; K = 0 skips drafting altogether and keeps its own average). The
+        # policy mostly runs a few Ks, so per-K averages would know the others only from
+        # start-up; the line lets each observation inform every K.
+        self._sums = [0.0] * 5
+        for k, c in enumerate(costs[1:], start=1):
+            self._add(k, c)
+
+    def _add(self, k: int, seconds: float, keep: float = 1.0) -> None:
+        for i, x in enumerate((1.0, k, k * k, seconds, k * seconds)):
+            self._sums[i] = self._sums[i] * keep + x
+
+    def cost(self, k: int) -> float:
+        n, sk, skk, sc, skc = self._sums
+        den = n * skk - sk * sk
+        if k == 0 or den <= 1e-12:
+            return self.costs[k]
+        slope = (n * skc - sk * sc) / den
+        return max((sc - slope * sk) / n + slope * k, 1e-9)
+
     def best(self, kind: TextKind) -> int:
         """argmax_K E(K) / c(K), in one pass (it runs every step)."""
-        total, run, best_k, best_rate = 1.0, 1.0, 0, 1.0 / self.costs[0]
+        total, run, best_k, best_rate = 1.0, 1.0, 0, 1.0 / self.cost(0)
         for k, a in enumerate(self.rates(kind), start=1):
             run *= a
             total += run
-            if total / self.costs[k] > best_rate:
-                best_k, best_rate = k, total / self.costs[k]
+            if total / self.cost(k) > best_rate:
+                best_k, best_rate = k, total / self.cost(k)
         return best_k
 
     def choose(self, kind: TextKind) -> int:
@@ -120,6 +146,8 @@ class KPolicy:
             acc[i] = (hits * keep + (i < accepted), seen * keep + 1.0)
         if seconds is not None and seconds > 0:
             self.costs[k] += self.decay * (seconds - self.costs[k])
+            if k:
+                self._add(k, seconds, keep=1.0 - self.cost_decay)
         if self._probe is not None and self._probe == k:
             failed = accepted < k  # the probed position was not accepted
             self._probe_gap = min(self._probe_gap * 2, 16 * self.probe_every) if failed \

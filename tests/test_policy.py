@@ -31,7 +31,7 @@ def test_near_one_acceptance_picks_large_k() -> None:
 def test_expensive_drafts_lower_k() -> None:
     policy = trained(0.7)
     cheap = policy.best(TextKind.CODE)
-    policy.costs = [1.0 + 1.0 * k for k in range(9)]  # each draft as costly as a verify
+    policy.set_costs([1.0 + 1.0 * k for k in range(9)])  # each draft as costly as a verify
     assert policy.best(TextKind.CODE) < cheap
 
 
@@ -56,6 +56,7 @@ def test_costs_are_learned_from_measured_steps() -> None:
     for _ in range(300):
         policy.observe(TextKind.CODE, 2, 2, seconds=3.0)
     assert policy.costs[2] == pytest.approx(3.0, rel=1e-3)
+    assert policy.cost(2) > 2.0  # the line through all steps moved towards it too
 
 
 def test_bad_cost_table_is_refused() -> None:
