@@ -225,3 +225,24 @@ def test_bench_lsp_reports_the_servers_own_time(model_dir: Path, tmp_path: Path)
     result = json.loads(out.read_text())
     assert result["overhead_ms"]["n"] == 8 and result["overhead_ms"]["p50"] >= 0
     assert result["overhead_ms"]["p50"] <= result["round_trip_ms"]["p50"]
+
+
+async def test_settings_change_through_did_change_configuration(lsp: LanguageClient) -> None:
+    uri = open_doc(lsp, PY)
+    assert await inline(lsp, uri, end_of(PY)) is not None
+    lsp.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+        settings={"ahead": {"enable": {"python": False}}}))
+    assert await inline(lsp, uri, end_of(PY)) is None
+
+
+async def test_a_missing_daemon_is_said_once_not_on_every_keystroke(tmp_path: Path) -> None:
+    client = await start(tmp_path / "no-such-model", tmp_path)  # the daemon cannot start
+    try:
+        uri = open_doc(client, PY)
+        for _ in range(3):
+            assert await inline(client, uri, end_of(PY)) is None
+        errors = [m for m in client.messages if m.type == types.MessageType.Error]
+        assert len(errors) == 1 and "not available" in errors[0].message
+    finally:
+        await client.shutdown_session()
+        await client.stop()
