@@ -15,7 +15,7 @@ from pathlib import Path
 from clients import daemon_cmds, generate_cmds
 from clients.common import CliError, add_model_args, load_engine, model_dir
 
-EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:

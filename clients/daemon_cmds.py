@@ -30,9 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, handlers=handlers,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args)
-    def loader(path: Any) -> Any:
-        args.model = str(path)
-        return load_engine(args)
+    def loader(path: Any) -> Any:  # the same flags, another model directory
+        return load_engine(argparse.Namespace(**{**vars(args), "model": str(path)}))
 
     from daemon.config import config_path, load_settings
 

@@ -15,8 +15,6 @@ from typing import Any
 
 from clients.common import CliError, load_engine, serve_args
 
-EXIT_USAGE = 2
-
 
 def _write(text: str) -> None:
     sys.stdout.write(text)

@@ -115,10 +115,8 @@ async def inline_completion(ls: AheadServer, params: types.InlineCompletionParam
     if found is None:
         return None
     text, at = found
-    item = types.InlineCompletionItem(
-        insert_text=text, range=types.Range(start=at, end=at),
-        command=types.Command(title="accepted", command=ACCEPT_COMMAND,
-                              arguments=[len(text)]))
+    item = types.InlineCompletionItem(insert_text=text, range=types.Range(start=at, end=at),
+                                      command=_accepted(text))
     return types.InlineCompletionList(items=[item])
 
 
@@ -134,9 +132,13 @@ async def completion(ls: AheadServer, params: types.CompletionParams,
     item = types.CompletionItem(
         label=text.splitlines()[0].strip() or text.strip(), kind=types.CompletionItemKind.Text,
         text_edit=types.TextEdit(range=types.Range(start=at, end=at), new_text=text),
-        command=types.Command(title="accepted", command=ACCEPT_COMMAND,
-                              arguments=[len(text)]))
+        command=_accepted(text))
     return types.CompletionList(is_incomplete=True, items=[item])
+
+
+def _accepted(text: str) -> types.Command:
+    """The command a client runs when the suggestion is taken, so the daemon counts it."""
+    return types.Command(title="accepted", command=ACCEPT_COMMAND, arguments=[len(text)])
 
 
 @server.feature(STATS_REQUEST)
