@@ -1,4 +1,4 @@
-"""`ahead serve` and `ahead status`."""
+"""`ahead serve`, `ahead status` and `ahead stop`."""
 
 from __future__ import annotations
 
@@ -76,6 +76,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop the daemon and wait until it has let go of its socket; none running is fine."""
+    from daemon.client import Client, DaemonUnavailable
+
+    async def stop() -> bool:
+        client = Client(autostart=False)
+        try:
+            await client.connect()
+        except DaemonUnavailable:
+            return False
+        await client.shutdown()
+        try:
+            await client.wait_closed(30)
+        finally:
+            await client.close()
+        return True
+
+    if not asyncio.run(stop()):
+        print("ahead: no daemon running", file=sys.stderr)
+    return 0
+
+
 def add_parsers(sub: Any) -> None:
     serve = sub.add_parser("serve", help="run the daemon that keeps the model resident")
     add_model_args(serve)
@@ -88,3 +110,5 @@ def add_parsers(sub: Any) -> None:
     status = sub.add_parser("status", help="what the daemon is doing, and its statistics")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
+    stop = sub.add_parser("stop", help="stop the daemon (editors and commands restart it)")
+    stop.set_defaults(func=cmd_stop)

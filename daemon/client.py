@@ -193,6 +193,11 @@ class Client:
             async for _ in self.stream(p.Shutdown(id=0)):
                 pass
 
+    async def wait_closed(self, timeout: float) -> None:
+        """Until the daemon closes the connection (after a shutdown: it is exiting)."""
+        if self._reader_task is not None:
+            await asyncio.wait_for(asyncio.shield(self._reader_task), timeout)
+
 
 async def _read_reply(reader: asyncio.StreamReader) -> p.Reply | None:
     body = await p.read_frame(reader)

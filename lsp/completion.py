@@ -69,8 +69,9 @@ def uri_path(uri: str) -> str:
 
 class Completer:
     def __init__(self, client: Client, settings: Settings, *, session: str,
-                 warn: Callable[[str], None]) -> None:
-        self.client, self.settings, self.session, self.warn = client, settings, session, warn
+                 report: Callable[[str, str], None]) -> None:
+        self.client, self.settings, self.session = client, settings, session
+        self.report = report  # (state, message): "ready" or "down", on every answer
         self.extra = ExtraContext()
         self.overhead_ms: deque[float] = deque(maxlen=5000)  # per answered request
         self.daemon_ms: deque[float] = deque(maxlen=5000)  # its wait for the daemon
@@ -105,9 +106,10 @@ class Completer:
                 log.warning("completion failed: %s", e)
             return None
         except DaemonUnavailable as e:
-            self.warn(f"the daemon is not available: {e}")
+            self.report("down", f"the daemon is not available: {e}")
             return None
         t2 = time.perf_counter()
+        self.report("ready", "")
         shown = postprocess(done.text, line_before_cursor=before, line_after_cursor=after,
                             suffix=req.suffix, multiline=req.multiline)
         # Our own time: everything but the wait for the daemon.

@@ -13,13 +13,15 @@ from typing import Any
 from lsprotocol import types
 from pygls.lsp.server import LanguageServer
 
-from daemon.client import Client
+from daemon.client import Client, DaemonUnavailable
 from daemon.stats import percentiles
 from lsp.completion import Completer, Settings
 
 VERSION = "0.1.0"
 ACCEPT_COMMAND = "ahead.accepted"
 STATS_REQUEST = "ahead/stats"
+STATUS_REQUEST = "ahead/status"  # -> Status, with the daemon's own figures when it is up
+STATUS_NOTIFICATION = "ahead/didChangeStatus"  # Status, each time the state changes
 
 
 class AheadServer(LanguageServer):
@@ -27,16 +29,30 @@ class AheadServer(LanguageServer):
         super().__init__("ahead", VERSION)
         self.settings = Settings()
         self.completer = Completer(client or Client(client_name="ahead-lsp"), self.settings,
-                                   session=uuid.uuid4().hex, warn=self._warn_once)
-        self._warned = False
+                                   session=uuid.uuid4().hex, report=self.set_state)
+        # "starting" (the daemon is being reached or started, the model loading), "ready",
+        # or "down"; editors show it in a status bar.
+        self.state, self.message = "starting", "connecting to the model daemon"
         self._connecting: asyncio.Task[None] | None = None
 
-    def _warn_once(self, message: str) -> None:
-        """The daemon being down is said once per session, not on every keystroke."""
-        if not self._warned:
-            self._warned = True
+    def status(self) -> dict[str, Any]:
+        welcome = self.completer.client.welcome
+        return {"state": self.state, "message": self.message,
+                "model": welcome.model if welcome is not None else None}
+
+    def set_state(self, state: str, message: str) -> None:
+        """Record the daemon's state; a change is sent to the client (and "down" is also
+        said once as a message, not on every keystroke)."""
+        if state == "ready" and not message:
+            message = f"model ready: {self.status()['model']}"
+        if state == self.state:
+            self.message = message
+            return
+        if state == "down" and self.state != "down":
             self.window_show_message(types.ShowMessageParams(
                 type=types.MessageType.Error, message=f"ahead: {message}"))
+        self.state, self.message = state, message
+        self.protocol.notify(STATUS_NOTIFICATION, self.status())
 
     async def start_daemon(self) -> None:
         """Connect (starting the daemon if need be), shown as work-done progress."""
@@ -47,15 +63,14 @@ class AheadServer(LanguageServer):
             await progress.create_async(token)
             progress.begin(token, types.WorkDoneProgressBegin(
                 title="ahead", message="starting the model daemon"))
+        self.protocol.notify(STATUS_NOTIFICATION, self.status())
         try:
-            welcome = await self.completer.client.connect()
-            message = f"model ready: {welcome.model}"
-            self._warned = False
+            await self.completer.client.connect()
+            self.set_state("ready", "")
         except Exception as e:  # any failure is reported; the server lives on
-            message = f"the daemon is not available: {e}"
-            self._warn_once(message)
+            self.set_state("down", f"the daemon is not available: {e}")
         if token:
-            progress.end(token, types.WorkDoneProgressEnd(message=message))
+            progress.end(token, types.WorkDoneProgressEnd(message=self.message))
 
 
 server = AheadServer()
@@ -146,6 +161,21 @@ def stats(ls: AheadServer, params: Any) -> dict[str, Any]:
     """The server's own time per completion (not the daemon's), for `ahead bench lsp`."""
     c = ls.completer
     return {"overhead_ms": percentiles(list(c.overhead_ms)), "daemon_ms": list(c.daemon_ms)}
+
+
+@server.feature(STATUS_REQUEST)
+async def status(ls: AheadServer, params: Any) -> dict[str, Any]:
+    """The state, and when the daemon is up its own figures (for `:AheadStatus` and the
+    VS Code status bar's tooltip)."""
+    info = ls.status()
+    info["daemon"] = None
+    if ls.state == "ready":
+        try:
+            info["daemon"] = await ls.completer.client.status()
+        except DaemonUnavailable as e:
+            ls.set_state("down", f"the daemon is not available: {e}")
+            info = {**ls.status(), "daemon": None}
+    return info
 
 
 @server.command(ACCEPT_COMMAND)

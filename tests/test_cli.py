@@ -42,6 +42,12 @@ def test_generate_streams_a_completion_through_the_daemon(trained_dir: Path,
     here = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
                  "--no-daemon")
     assert here.stdout == proc.stdout
+    assert ahead("status").returncode == 0
+    stopped = ahead("stop")
+    assert stopped.returncode == 0 and not stopped.stderr, stopped.stderr
+    assert ahead("status").returncode == 3  # gone by the time `stop` returned
+    again = ahead("stop")
+    assert again.returncode == 0 and "no daemon running" in again.stderr
 
 
 def test_generate_json_from_stdin_is_identical_without_speculation(trained_dir: Path) -> None:

@@ -29,6 +29,14 @@ async def start(model: Path, tmp: Path, encoding: str = "utf-16",
     config = ClientServerConfig(server_command=[sys.executable, "-m", "clients.cli", "lsp"],
                                 server_env=env)
     client = await config.start()
+    statuses: list[dict] = []  # ahead/didChangeStatus, in order
+    client.statuses, client.status_seen = statuses, asyncio.Event()  # type: ignore[attr-defined]
+
+    @client.feature("ahead/didChangeStatus")
+    def on_status(_client: object, params: object) -> None:
+        statuses.append(as_dict(params))
+        client.status_seen.set()  # type: ignore[attr-defined]
+
     caps = types.ClientCapabilities(
         general=types.GeneralClientCapabilities(position_encodings=[encoding]),
         window=types.WindowClientCapabilities(work_done_progress=True))
@@ -53,6 +61,21 @@ async def lsp(model_dir: Path, tmp_path: Path) -> AsyncIterator[LanguageClient]:
     client = await start(model_dir, tmp_path)
     yield client
     await stop(client, tmp_path)
+
+
+def as_dict(params: object) -> dict:
+    """Custom messages' params, which pygls hands over as attribute objects."""
+    if hasattr(params, "_asdict"):
+        return {k: as_dict(v) for k, v in params._asdict().items()}
+    return params if not isinstance(params, dict) else {k: as_dict(v) for k, v in params.items()}
+
+
+async def wait_for_state(client: LanguageClient, state: str) -> None:
+    statuses, seen = client.statuses, client.status_seen  # type: ignore[attr-defined]
+    async with asyncio.timeout(60):
+        while not statuses or statuses[-1]["state"] != state:
+            seen.clear()
+            await seen.wait()
 
 
 def open_doc(client: LanguageClient, text: str, name: str = "a.py",
@@ -243,6 +266,22 @@ async def test_a_missing_daemon_is_said_once_not_on_every_keystroke(tmp_path: Pa
             assert await inline(client, uri, end_of(PY)) is None
         errors = [m for m in client.messages if m.type == types.MessageType.Error]
         assert len(errors) == 1 and "not available" in errors[0].message
+        await wait_for_state(client, "down")
+        info = await client.protocol.send_request_async("ahead/status", {})
+        assert as_dict(info)["state"] == "down" and as_dict(info)["daemon"] is None
     finally:
         await client.shutdown_session()
         await client.stop()
+
+
+async def test_status_goes_from_starting_to_ready_with_the_daemons_figures(
+        lsp: LanguageClient) -> None:
+    await wait_for_state(lsp, "ready")
+    states = [s["state"] for s in lsp.statuses]  # type: ignore[attr-defined]
+    assert states == ["starting", "ready"]
+    assert lsp.statuses[-1]["model"]  # type: ignore[attr-defined]
+    uri = open_doc(lsp, PY)
+    await inline(lsp, uri, end_of(PY))
+    info = as_dict(await lsp.protocol.send_request_async("ahead/status", {}))
+    assert info["state"] == "ready" and info["model"] == info["daemon"]["model"]
+    assert info["daemon"]["counts"]["completions"] >= 1
