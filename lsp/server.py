@@ -12,6 +12,7 @@ from typing import Any
 
 from lsprotocol import types
 from pygls.lsp.server import LanguageServer
+from pygls.protocol import LanguageServerProtocol
 
 from daemon.client import Client, DaemonUnavailable
 from daemon.stats import percentiles
@@ -24,9 +25,18 @@ STATUS_REQUEST = "ahead/status"  # -> Status, with the daemon's own figures when
 STATUS_NOTIFICATION = "ahead/didChangeStatus"  # Status, each time the state changes
 
 
+class Protocol(LanguageServerProtocol):
+    def structure_message(self, data: dict[str, Any]) -> Any:
+        """`params` may be left out of a request or notification (JSON-RPC 2.0); pygls's
+        generic message types require it, and would answer nothing at all."""
+        if "method" in data and "params" not in data:
+            data = {**data, "params": None}
+        return super().structure_message(data)
+
+
 class AheadServer(LanguageServer):
     def __init__(self, client: Client | None = None) -> None:
-        super().__init__("ahead", VERSION)
+        super().__init__("ahead", VERSION, protocol_cls=Protocol)
         self.settings = Settings()
         self.completer = Completer(client or Client(client_name="ahead-lsp"), self.settings,
                                    session=uuid.uuid4().hex, report=self.set_state)
