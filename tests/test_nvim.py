@@ -60,3 +60,15 @@ def test_plugin_shows_trims_and_accepts_a_suggestion(nvim: str, builtin: bool, m
                 daemon.shutdown()
     result = out.read_text() if out.exists() else f"no output; stderr: {proc.stderr[-2000:]}"
     assert result.startswith("ok\n"), result
+
+
+@pytest.mark.skipif(not CASES, reason="Neovim is not installed (.ci/run installs it)")
+def test_help_file_has_its_tags(tmp_path: Path) -> None:
+    doc = tmp_path / "doc"
+    shutil.copytree(ROOT / "clients" / "nvim" / "doc", doc)
+    proc = subprocess.run([CASES[0].values[0], "--headless", "-u", "NONE", "-i", "NONE",
+                           "-c", f"helptags {doc}", "-c", "qall"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr  # e.g. a duplicate tag
+    tags = {line.split("\t")[0] for line in (doc / "tags").read_text().splitlines()}
+    assert {":AheadStatus", "ahead-keys", "ahead-options", "ahead-versions"} <= tags
