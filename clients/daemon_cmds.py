@@ -15,7 +15,8 @@ from clients.common import add_model_args, load_engine, model_dir
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from daemon import paths
-    from daemon.server import AlreadyRunning, InstanceLock, Server
+    from daemon.instance import AlreadyRunning, InstanceLock
+    from daemon.server import Server
 
     lock = InstanceLock(paths.lock_path())
     try:

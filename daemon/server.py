@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import signal
-import socket
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +21,7 @@ from typing import Any
 import msgspec
 
 from daemon import protocol as p
+from daemon.instance import InstanceLock, peer_uid
 from daemon.reload import Loader, Reloader
 from daemon.requests import Listener, Requests
 from daemon.scheduler import Job, Scheduler
@@ -31,37 +29,6 @@ from daemon.stats import Stats
 from engine.generate import Engine
 
 log = logging.getLogger("ahead.daemon")
-
-
-class AlreadyRunning(RuntimeError):
-    """Another daemon holds the lock."""
-
-
-class InstanceLock:
-    """One daemon per user: an flock on a file that also records the holder's pid."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        if self._fd is not None:
-            return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise AlreadyRunning(f"another ahead daemon is running (pid {holder})") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
 
 
 class Connection:
@@ -325,12 +292,3 @@ class Server:
                 "acceptance_by_position": {kind.value: [round(a, 3) for a in policy.rates(kind)]
                                            for kind in policy.accept},
                 "step_cost_ms": [round(policy.cost(k) * 1000, 3) for k in range(policy.k_max + 1)]}
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The connecting process's uid (SO_PEERCRED on Linux)."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):
-        return None
-    return struct.unpack("3i", creds)[1]

@@ -10,7 +10,8 @@ import pytest
 from daemon import protocol as p
 from daemon.client import Client
 from daemon.config import ConfigFileError, load_settings
-from daemon.server import InstanceLock, Server
+from daemon.instance import InstanceLock
+from daemon.server import Server
 from engine.generate import Engine
 
 

@@ -19,7 +19,8 @@ import pytest
 
 from daemon import protocol as p
 from daemon.client import Client
-from daemon.server import InstanceLock, Server
+from daemon.instance import InstanceLock
+from daemon.server import Server
 from engine.generate import Engine
 
 TIMEOUT = 30
@@ -251,7 +252,7 @@ async def test_another_user_is_refused(daemon: Server) -> None:
 
 
 def test_peer_uid_is_ours() -> None:
-    from daemon.server import peer_uid
+    from daemon.instance import peer_uid
 
     a, b = socket.socketpair()
     with a, b:
