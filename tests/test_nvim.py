@@ -72,3 +72,21 @@ def test_help_file_has_its_tags(tmp_path: Path) -> None:
     assert proc.returncode == 0 and not proc.stderr, proc.stderr  # e.g. a duplicate tag
     tags = {line.split("\t")[0] for line in (doc / "tags").read_text().splitlines()}
     assert {":AheadStatus", "ahead-keys", "ahead-options", "ahead-versions"} <= tags
+
+
+@pytest.mark.skipif(not CASES, reason="Neovim is not installed (.ci/run installs it)")
+@pytest.mark.parametrize("good", [True, False])
+def test_checkhealth_reports_the_server_command(good: bool, tmp_path: Path) -> None:
+    out = tmp_path / "health.txt"
+    cmd = str(Path(sys.executable).parent / "ahead") if good else str(tmp_path / "no-ahead")
+    env = {**os.environ, "AHEAD_RUNTIME_DIR": str(tmp_path / "rt"), "AHEAD_CMD": cmd,
+           "AHEAD_NVIM_OUT": str(out), "AHEAD_PLUGIN_DIR": str(ROOT / "clients" / "nvim")}
+    subprocess.run([CASES[0].values[0], "--headless", "-u", "NONE", "-i", "NONE", "-c",
+                    f"luafile {Path(__file__).parent / 'nvim' / 'health.lua'}"], env=env,
+                   capture_output=True, timeout=60, check=False)
+    report = out.read_text()
+    if good:
+        assert f"server command: {cmd} lsp" in report and "ERROR" not in report, report
+        assert "no daemon running" in report, report  # a private, empty runtime directory
+    else:
+        assert "ERROR" in report and "is not executable" in report, report
