@@ -58,7 +58,7 @@ class AheadServer(LanguageServer):
         if state == self.state:
             self.message = message
             return
-        if state == "down" and self.state != "down":
+        if state == "down":
             self.window_show_message(types.ShowMessageParams(
                 type=types.MessageType.Error, message=f"ahead: {message}"))
         self.state, self.message = state, message

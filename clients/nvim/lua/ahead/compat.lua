@@ -58,26 +58,26 @@ function M.client()
   return clients[1]
 end
 
---- client:request / client.request (the method form is the only one from 0.11 on).
-function M.request(client, method, params, handler, bufnr)
-  if has("0.11") then
-    return client:request(method, params, handler, bufnr)
+-- Client methods: called as client:name(...) from 0.11 on (the field form is deprecated
+-- there), as client.name(...) before.
+local method_calls = has("0.11")
+local function call(client, name, ...)
+  if method_calls then
+    return client[name](client, ...)
   end
-  return client.request(method, params, handler, bufnr)
+  return client[name](...)
+end
+
+function M.request(client, method, params, handler, bufnr)
+  return call(client, "request", method, params, handler, bufnr)
 end
 
 function M.cancel(client, id)
-  if has("0.11") then
-    return client:cancel_request(id)
-  end
-  return client.cancel_request(id)
+  return call(client, "cancel_request", id)
 end
 
 function M.notify(client, method, params)
-  if has("0.11") then
-    return client:notify(method, params)
-  end
-  return client.notify(method, params)
+  return call(client, "notify", method, params)
 end
 
 return M
