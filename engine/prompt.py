@@ -25,8 +25,10 @@ def heal(prefix: str) -> tuple[str, str]:
     return prefix, ""
 
 
-def _fit_lines(tok: Tokenizer, lines: list[str], budget: int, *, from_end: bool) -> str:
-    """The most lines (from the end or the start) whose text encodes within `budget` tokens."""
+def _fit_lines(tok: Tokenizer, lines: list[str], budget: int, *, from_end: bool,
+               anchor: int = 1) -> str:
+    """The most lines (from the end or the start) whose text encodes within `budget` tokens,
+    leaving out a multiple of `anchor` lines at the other end."""
     lo, hi = 0, len(lines)
     while lo < hi:  # binary search on how many lines to keep
         mid = (lo + hi + 1) // 2
@@ -35,17 +37,23 @@ def _fit_lines(tok: Tokenizer, lines: list[str], budget: int, *, from_end: bool)
             lo = mid
         else:
             hi = mid - 1
+    if lo < len(lines):  # never more than a quarter of what fits
+        snapped = len(lines) - -(-(len(lines) - lo) // anchor) * anchor
+        lo = snapped if snapped >= lo - lo // 4 else lo
     return "".join(lines[len(lines) - lo:] if from_end else lines[:lo])
 
 
 def completion_prompt(tok: Tokenizer, prefix: str, suffix: str, *, max_tokens: int,
                       extra: Sequence[tuple[str, str]] = (), suffix_share: float = 0.2,
-                      extra_share: float = 0.2) -> list[int]:
+                      extra_share: float = 0.2, anchor_lines: int = 16) -> list[int]:
     """Token ids of a FIM prompt within `max_tokens` (a plain prefix if the model has no FIM).
 
     The suffix and the context chunks get at most their shares; the prefix gets the rest. The
     line the cursor is on is kept whole on the prefix side (cut from its start only if it
-    alone exceeds the budget), since the completion continues it.
+    alone exceeds the budget), since the completion continues it. A prefix that must be cut
+    loses a multiple of `anchor_lines` lines from its start (if that costs at most a quarter
+    of the lines that fit), so that the prompt's start stays put while the user types and
+    the KV cache keeps it, as the editor's window does.
     """
     if max_tokens < 16:
         raise ValueError(f"a prompt budget of {max_tokens} tokens is too small")
@@ -68,7 +76,8 @@ def completion_prompt(tok: Tokenizer, prefix: str, suffix: str, *, max_tokens: i
     if len(current_ids) > budget:  # one enormous line
         kept_prefix = tok.decode(current_ids[-budget:])
     else:
-        kept_prefix = _fit_lines(tok, body, budget - len(current_ids), from_end=True) + current
+        kept_prefix = _fit_lines(tok, body, budget - len(current_ids), from_end=True,
+                                 anchor=anchor_lines) + current
     if not tok.fim:
         return [*tok.bos_ids, *tok.encode_text(kept_prefix)]
     return tok.fim_prompt(kept_prefix, kept_suffix, extra=chunks)

@@ -21,7 +21,8 @@ class Window:
 
 
 def cursor_window(
-    text: str, offset: int, *, max_prefix_chars: int = 8000, max_suffix_chars: int = 2000
+    text: str, offset: int, *, max_prefix_chars: int = 8000, max_suffix_chars: int = 2000,
+    anchor_lines: int = 16,
 ) -> Window:
     """Cut `text` around the character `offset` to whole lines within each budget.
 
@@ -29,12 +30,19 @@ def cursor_window(
     reaches the end of it (newline included); when that alone is over budget the cursor line
     is cut (the prefix keeps its end, the suffix its start), since the text nearest the cursor
     matters most. Line ends are left as they are, so CRLF documents keep their `\\r`.
+
+    A prefix that does not reach the document's start starts on a line whose number is a
+    multiple of `anchor_lines` (if that costs at most a quarter of its lines): as the user
+    types, the window's start then stays put for many keystrokes instead of moving a line at
+    a time, and the daemon's KV cache keeps the whole prompt up to the cursor.
     """
     if not 0 <= offset <= len(text):
         raise ValueError(f"offset {offset} is outside a document of {len(text)} characters")
     if max_prefix_chars < 0 or max_suffix_chars < 0:
         raise ValueError("character budgets must not be negative")
-    start = _prefix_start(text, offset, max_prefix_chars)
+    if anchor_lines < 1:
+        raise ValueError(f"anchor_lines must be >= 1, got {anchor_lines}")
+    start = _anchored(text, offset, _prefix_start(text, offset, max_prefix_chars), anchor_lines)
     end = _suffix_end(text, offset, max_suffix_chars)
     return Window(prefix=text[start:offset], suffix=text[offset:end])
 
@@ -49,6 +57,19 @@ def _prefix_start(text: str, offset: int, budget: int) -> int:
         if offset - line_start > budget:
             break
         start = line_start
+    return start
+
+
+def _anchored(text: str, offset: int, start: int, anchor: int) -> int:
+    """`start` moved forward to the next line whose number is a multiple of `anchor`, unless
+    that leaves out more than a quarter of the window's lines."""
+    if start == 0 or text[start - 1] != "\n":  # the whole document, or a cut cursor line
+        return start
+    line = text.count("\n", 0, start)
+    skip = -line % anchor
+    if skip and skip <= text.count("\n", start, offset) // 4:
+        for _ in range(skip):
+            start = text.index("\n", start) + 1
     return start
 
 

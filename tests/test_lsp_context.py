@@ -98,6 +98,19 @@ def test_crlf_line_endings_are_preserved() -> None:
     assert window.suffix == "ree\r\nfour\r\n"
 
 
+def test_the_window_start_stays_put_while_the_user_types() -> None:
+    text = "".join(f"value_{i} = {i * 7}\n" for i in range(400))
+    offset = text.index("value_300")
+
+    def starts(anchor: int) -> set[int]:
+        return {o - len(cursor_window(text, o, max_prefix_chars=2000, anchor_lines=anchor).prefix)
+                for o in range(offset, offset + 600)}
+
+    assert len(starts(16)) <= 4 < 30 < len(starts(1))
+    with pytest.raises(ValueError, match="anchor_lines"):
+        cursor_window(text, offset, anchor_lines=0)
+
+
 @pytest.mark.parametrize("offset", [-1, 4])
 def test_offset_outside_document_is_refused(offset: int) -> None:
     with pytest.raises(ValueError, match="outside"):
@@ -110,16 +123,18 @@ def test_negative_budget_is_refused() -> None:
 
 
 @st.composite
-def documents(draw: st.DrawFn) -> tuple[str, int, int, int]:
+def documents(draw: st.DrawFn) -> tuple[str, int, int, int, int]:
     text = draw(st.text(alphabet="ab \n\ré中🙂", max_size=80))
     offset = draw(st.integers(0, len(text)))
-    return text, offset, draw(st.integers(0, 40)), draw(st.integers(0, 40))
+    return (text, offset, draw(st.integers(0, 40)), draw(st.integers(0, 40)),
+            draw(st.integers(1, 3)))
 
 
 @given(documents())
-def test_window_is_the_text_around_the_offset(case: tuple[str, int, int, int]) -> None:
-    text, offset, max_prefix, max_suffix = case
-    window = cursor_window(text, offset, max_prefix_chars=max_prefix, max_suffix_chars=max_suffix)
+def test_window_is_the_text_around_the_offset(case: tuple[str, int, int, int, int]) -> None:
+    text, offset, max_prefix, max_suffix, anchor = case
+    window = cursor_window(text, offset, max_prefix_chars=max_prefix, max_suffix_chars=max_suffix,
+                           anchor_lines=anchor)
     prefix, suffix = window.prefix, window.suffix
     assert text[offset - len(prefix) : offset] == prefix
     assert text[offset : offset + len(suffix)] == suffix
@@ -132,9 +147,15 @@ def test_window_is_the_text_around_the_offset(case: tuple[str, int, int, int]) -
     if offset - line_start > max_prefix:
         assert len(prefix) == max_prefix
     else:
-        # Starts on a line boundary, and the whole line before it would not have fitted.
+        # Starts on a line boundary, and the whole line before it would not have fitted;
+        # or on an anchor line, having left out at most a quarter of the lines that fit.
         assert start == 0 or text[start - 1] == "\n"
-        if start > 0:
+        widest = cursor_window(text, offset, max_prefix_chars=max_prefix, anchor_lines=1)
+        if start > 0 and len(prefix) < len(widest.prefix):
+            assert text.count("\n", 0, start) % anchor == 0
+            left_out = widest.prefix.count("\n") - prefix.count("\n")
+            assert left_out <= widest.prefix.count("\n") // 4
+        elif start > 0:
             assert offset - (text.rfind("\n", 0, start - 1) + 1) > max_prefix
     line_end = text.find("\n", offset)
     line_end = len(text) if line_end < 0 else line_end + 1

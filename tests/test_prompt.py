@@ -59,3 +59,14 @@ def test_one_enormous_line_is_cut_from_its_start(tok: Tokenizer) -> None:
 def test_tiny_budget_is_refused(tok: Tokenizer) -> None:
     with pytest.raises(ValueError):
         completion_prompt(tok, "x", "", max_tokens=4)
+
+
+def test_the_prompt_start_stays_put_while_the_user_types(tok: Tokenizer) -> None:
+    cut = SOURCE.index("def f100")
+
+    def starts(anchor: int) -> set[str]:
+        return {split(tok, completion_prompt(tok, SOURCE[:cut + n], "", max_tokens=300,
+                                             anchor_lines=anchor))[0][:30]
+                for n in range(0, 400, 4)}
+
+    assert len(starts(16)) * 4 <= len(starts(1))
