@@ -7,9 +7,10 @@ asking for the next step: the cache is consistent after every step.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from engine.model import Transformer
 from engine.policy import KPolicy, TextKind, classify
-from engine.runner import Runner, Sampler
+from engine.runner import Runner, Sampler, draft_many, verify_many
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import load_model
 
@@ -149,25 +150,85 @@ class Engine:
                 break
         return gen
 
-    def measure_costs(self, reps: int = 3) -> list[float]:
-        """Seconds per step for each K: verify of K+1 tokens plus K draft steps (median)."""
+    def step(self, gens: Sequence[Generation]) -> list[Step | None]:
+        """One step of each generation (None for one that has ended); the verify and draft
+        steps of those past their prefill run as one batch. Each must have its own slot."""
+        if len({g.slot for g in gens}) < len(gens) or len(gens) > self.max_slots:
+            raise ValueError(f"a batch needs distinct slots, at most {self.max_slots}")
+        steps: list[Step | None] = [None] * len(gens)
+        batch, draft_s = [], []
+        for i, g in enumerate(gens):
+            if g.finish_reason is not None:
+                continue
+            if not g._started:
+                steps[i] = g._prefill()
+            elif (s := g._ready()) >= 0:
+                batch.append(i)
+                draft_s.append(s)
+        if not batch:
+            return steps
+        runners = [self.runner_for(gens[i].slot) for i in batch]
+        ks = [r.num_drafts for r in runners]
+        t0 = time.perf_counter()
+        new_by_row: dict[int, list[int]] = {}
+        for group in _padding_groups(runners, max(ks)):
+            news = verify_many([runners[b] for b in group], [gens[batch[b]].sampler
+                                                             for b in group])
+            new_by_row.update(zip(group, news, strict=True))
+        seconds = time.perf_counter() - t0
+        alone = len(batch) == 1
+        for b, i in enumerate(batch):
+            steps[i] = gens[i]._verified(new_by_row[b], ks[b], seconds + draft_s[b], alone=alone)
+            runners[b].owner = gens[i]
+        self._draft([gens[i] for i in batch if gens[i].finish_reason is None])
+        return steps
+
+    def _draft(self, gens: list[Generation]) -> None:
+        """Draft the next step of each generation, in one batch."""
+        if not gens:
+            return
+        t0 = time.perf_counter()
+        runners = [self.runner_for(g.slot) for g in gens]
+        ks = [g._choose_k(r) for g, r in zip(gens, runners, strict=True)]
+        room = min(r.max_seq_len - r.length for r in runners) - 2  # padded rows need it too
+        draft_many(runners, [max(0, min(k, room)) for k in ks], [g.sampler for g in gens])
+        for g in gens:
+            g._draft_s = time.perf_counter() - t0
+
+    def measure_costs(self, reps: int = 5, context: int = 1024) -> list[float]:
+        """Seconds per step for each K (verify of K+1 tokens plus K draft steps; the median
+        of `reps`), at a context as long as an editor's prompt: attention over it is a good
+        part of a step's cost."""
         if self.k_max == 0:
             return [1.0]
         r, greedy = self.runner, Sampler(0.0, 1.0, 0, self.device)
-        warm = [1] * 16
+        growth = (reps + 1) * (self.k_max + 1) + 2  # the most one K's steps can add
+        n = max(1, min(context, self.max_seq_len - growth))
+        vocab = self.model.cfg.vocab_size
+        warm = [(i * 7919 + 13) % vocab for i in range(n)]
+        r.reset()
+        first, _ = r.prefill(warm, greedy)
         costs = []
         for k in range(self.k_max + 1):
+            r.restore(warm, first)  # back to the same context for every K
+            r.catch_up()
             times = []
-            r.reset()
-            r.prefill(warm, greedy)
-            for _ in range(reps + 1):  # the first step also brings the modules up to date
+            for _ in range(reps + 1):  # the first step also warms up this K's shapes
                 t0 = time.perf_counter()
                 r.draft(k, greedy)
                 r.verify(greedy)
                 times.append(time.perf_counter() - t0)
-            costs.append(sorted(times[1:])[len(times[1:]) // 2])
+            costs.append(statistics.median(times[1:]))
         r.reset()
         return costs
+
+
+def _padding_groups(runners: list[Runner], k_top: int) -> list[list[int]]:
+    """Rows that can verify together padded to k_top drafts, then each row without the room
+    for that padding on its own."""
+    short = [b for b, r in enumerate(runners) if r.length + k_top + 1 > r.max_seq_len]
+    rest = [b for b in range(len(runners)) if b not in short]
+    return [rest, *([b] for b in short)] if rest else [[b] for b in short]
 
 
 class Generation(Iterator[Step]):
@@ -191,35 +252,50 @@ class Generation(Iterator[Step]):
         self._draft_s = 0.0
 
     def __next__(self) -> Step:
-        if self.finish_reason is not None:
+        step = self.engine.step([self])[0]
+        if step is None:
             raise StopIteration
+        return step
+
+    def _prefill(self) -> Step:
+        """The first step: run the prompt, commit the first token, draft the next ones."""
         r, t0 = self.engine.runner_for(self.slot), time.perf_counter()
-        if not self._started:
-            self._started = True
-            allowed = self.engine.tokens_starting_with(self.params.forced)
-            first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler, allowed)
-            self.stats.prefill_s = time.perf_counter() - t0
-            step = self._commit([first], k=0, accepted=0)
-        else:
-            if r.owner is not self:  # another generation ran in between: take the cache back
-                r.restore(self.prompt + self._committed[:-1], self._committed[-1])
-                self.stats.resumed += 1
-                self._draft_next()
-                t0 = time.perf_counter() - self._draft_s  # the rebuild is not a step's cost
-            k = r.num_drafts
-            if r.length + k + 1 > r.max_seq_len:
-                self.finish("length")  # the context is full
-                raise StopIteration
-            new = r.verify(self.sampler)
-            kind = self._kind  # the drafts were made in this kind of text
-            step = self._commit(new, k=k, accepted=len(new) - 1)
-            # A step's cost: its drafts, the verify, and taking in what it accepted.
-            seconds = time.perf_counter() - t0 + self._draft_s
-            self._record(k, len(new) - 1, seconds, kind)
-            self.stats.decode_s += seconds
+        self._started = True
+        allowed = self.engine.tokens_starting_with(self.params.forced)
+        first, self.stats.reused_tokens = r.prefill(self.prompt, self.sampler, allowed)
+        if self.use_mtp:  # the modules take in the prompt too: prefill work, not a step's
+            r.catch_up()
+        self.stats.prefill_s = time.perf_counter() - t0
+        step = self._commit([first], k=0, accepted=0)
         r.owner = self
         if self.finish_reason is None:
             self._draft_next()
+        return step
+
+    def _ready(self) -> float:
+        """Before a verify: take the cache back if another generation ran in this slot (the
+        rebuild is not a step's cost), and end if the context is full. Returns the seconds
+        the pending drafts took, or -1 when it ended."""
+        r = self.engine.runner_for(self.slot)
+        if r.owner is not self:
+            r.restore(self.prompt + self._committed[:-1], self._committed[-1])
+            if self.use_mtp:
+                r.catch_up()
+            r.owner = self
+            self.stats.resumed += 1
+            self._draft_next()
+        if r.length + r.num_drafts + 1 > r.max_seq_len:
+            self.finish("length")  # the context is full
+            return -1.0
+        return self._draft_s
+
+    def _verified(self, new: list[int], k: int, seconds: float, *, alone: bool) -> Step:
+        """Commit what a verify of k drafts returned; `seconds`: the step's cost (drafts,
+        verify, commit). Only a step run alone tells the K policy what its K costs."""
+        kind = self._kind  # the drafts were made in this kind of text
+        step = self._commit(new, k=k, accepted=len(new) - 1)
+        self._record(k, len(new) - 1, seconds if alone else None, kind)
+        self.stats.decode_s += seconds
         return step
 
     def finish(self, reason: str) -> None:
@@ -228,17 +304,21 @@ class Generation(Iterator[Step]):
 
     def _draft_next(self) -> None:
         t0, r = time.perf_counter(), self.engine.runner_for(self.slot)
-        k = 0
-        if self.use_mtp:
-            fixed = self.params.k
-            k = self.engine.policy.choose(self._kind) if fixed is None else fixed
-            room = r.max_seq_len - r.length - 2
-            k = max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
-                           room))
-        r.draft(k, self.sampler)
+        r.draft(self._choose_k(r), self.sampler)
         self._draft_s = time.perf_counter() - t0
 
-    def _record(self, k: int, accepted: int, seconds: float, kind: TextKind) -> None:
+    def _choose_k(self, r: Runner) -> int:
+        """Drafts for the next step: the policy's (or the fixed) K, within what is left to
+        generate and the room in the context."""
+        if not self.use_mtp:
+            return 0
+        fixed = self.params.k
+        k = self.engine.policy.choose(self._kind) if fixed is None else fixed
+        room = r.max_seq_len - r.length - 2
+        return max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
+                          room))
+
+    def _record(self, k: int, accepted: int, seconds: float | None, kind: TextKind) -> None:
         s = self.stats
         s.steps += 1
         s.drafted += k

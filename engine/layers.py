@@ -44,6 +44,16 @@ class LayerKV:
         return self.k, self.v
 
 
+class RowsKV:
+    """One layer's caches for a batch of sequences, one `LayerKV` per row, each with its own
+    positions [B, S] and attention mask [S, kv_len_b] (lengths differ between rows)."""
+
+    __slots__ = ("masks", "rows")
+
+    def __init__(self, rows: list[LayerKV], masks: list[Tensor]) -> None:
+        self.rows, self.masks = rows, masks
+
+
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """Inverse frequencies [D/2], with the config's scaling (linear, llama3 or yarn)."""
     dim, base = cfg.head_dim, cfg.rope_theta
@@ -120,10 +130,10 @@ def rope_tables(cfg: ModelConfig, max_seq_len: int, device: torch.device,
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x [B, S, H, D]; cos/sin [S, D] for the tokens' positions
+    # x [B, S, H, D]; cos/sin [S, D] for the tokens' positions, or [B, S, D] per row
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class Attention(nn.Module):
@@ -141,7 +151,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], input_pos: Tensor,
-                kv: LayerKV | None, mask: Tensor | None) -> Tensor:
+                kv: LayerKV | RowsKV | None, mask: Tensor | None) -> Tensor:
         bsz, seqlen, _ = x.shape
         q = self.q_proj(x).view(bsz, seqlen, self.num_heads, self.head_dim)  # [B, S, H, D]
         k = self.k_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, D]
@@ -153,14 +163,25 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         if kv is None:  # whole sequence at once (training, references): plain causal
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif isinstance(kv, RowsKV):  # a batch: projections above shared, attention per row
+            y = torch.cat([_cached_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, row, m)
+                           for b, (pos, row, m) in enumerate(zip(input_pos, kv.rows, kv.masks,
+                                                                 strict=True))])
         else:
             assert mask is not None
-            kv_len = mask.shape[-1]
-            k_all, v_all = kv.update(input_pos, k, v)
-            y = F.scaled_dot_product_attention(q, k_all[:, :, :kv_len], v_all[:, :, :kv_len],
-                                               attn_mask=mask, enable_gqa=True)
+            y = _cached_attention(q, k, v, input_pos, kv, mask)
         y = y.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)  # [B, S, H*D]
         return self.o_proj(y)
+
+
+def _cached_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, kv: LayerKV,
+                      mask: Tensor) -> Tensor:
+    """Write k, v [1, Hkv, S, D] at `input_pos` [S], then attend over the first kv_len
+    positions (the mask's width), where the mask [S, kv_len] allows."""
+    kv_len = mask.shape[-1]
+    k_all, v_all = kv.update(input_pos, k, v)
+    return F.scaled_dot_product_attention(q, k_all[:, :, :kv_len], v_all[:, :, :kv_len],
+                                          attn_mask=mask, enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -183,6 +204,6 @@ class DecoderBlock(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], input_pos: Tensor,
-                kv: LayerKV | None, mask: Tensor | None) -> Tensor:
+                kv: LayerKV | RowsKV | None, mask: Tensor | None) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, input_pos, kv, mask)
         return h + self.mlp(self.post_attention_layernorm(h))

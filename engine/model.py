@@ -9,14 +9,17 @@ MiMo checkpoints concatenate in the other order. Draft k > 1 feeds the previous 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ModelConfig
-from engine.layers import DecoderBlock, LayerKV, RMSNorm, rope_tables
+from engine.layers import DecoderBlock, LayerKV, RMSNorm, RowsKV, rope_tables
 
 Rope = tuple[Tensor, Tensor]
+KVs = Sequence[LayerKV] | Sequence[RowsKV]  # per layer: one sequence's, or a batch's
 
 
 class MTPModule(nn.Module):
@@ -30,7 +33,7 @@ class MTPModule(nn.Module):
         self.hidden_first = cfg.mtp_naming == "mimo"
 
     def forward(self, h: Tensor, emb: Tensor, rope: Rope, input_pos: Tensor,
-                kvs: list[LayerKV] | None, mask: Tensor | None) -> Tensor:
+                kvs: KVs | None, mask: Tensor | None) -> Tensor:
         e, hn = self.enorm(emb), self.hnorm(h)
         x = self.eh_proj(torch.cat([hn, e] if self.hidden_first else [e, hn], dim=-1))  # [B, S, H]
         for i, block in enumerate(self.blocks):
@@ -67,7 +70,7 @@ class Transformer(nn.Module):
         return F.linear(h, w)
 
     def trunk(self, tokens: Tensor, rope: Rope, input_pos: Tensor,
-              kvs: list[LayerKV] | None = None, mask: Tensor | None = None) -> Tensor:
+              kvs: KVs | None = None, mask: Tensor | None = None) -> Tensor:
         """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
@@ -75,7 +78,7 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def mtp_forward(self, i: int, h: Tensor, next_tokens: Tensor, rope: Rope, input_pos: Tensor,
-                    kvs: list[LayerKV] | None = None, mask: Tensor | None = None) -> Tensor:
+                    kvs: KVs | None = None, mask: Tensor | None = None) -> Tensor:
         """Module i's pre-norm output [B, S, H] from hidden h_t and token x_{t+1}."""
         return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, input_pos, kvs, mask)
 

@@ -45,7 +45,7 @@ class KPolicy:
 
     def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.05,
                  prior: float = 0.6, prior_weight: float = 2.0, probe_every: int = 8,
-                 cost_decay: float = 0.01) -> None:
+                 cost_decay: float = 0.05) -> None:
         self.cost_decay = cost_decay
         self.k_max = k_max
         self.set_costs(costs)
@@ -59,7 +59,7 @@ class KPolicy:
         self.accept: dict[TextKind, list[tuple[float, float]]] = {
             kind: [(0.0, 0.0)] * k_max for kind in TextKind}
         self.steps = 0
-        self._probe: int | None = None  # the K of the last choice, when it was a probe
+        self._probe: int | None = None  # the K of the last probe, until a step of it is seen
         self._probe_gap = probe_every
         self._next_probe = probe_every
 
@@ -89,30 +89,20 @@ class KPolicy:
         return total
 
     def set_costs(self, costs: list[float]) -> None:
-        """Measured seconds per step for each K, as a start; live steps refine them."""
+        """Measured seconds per step for each K: the shape of the cost curve. Live steps
+        scale it as a whole (see `cost`)."""
         if len(costs) != self.k_max + 1 or min(costs) <= 0:
             raise ValueError(f"need {self.k_max + 1} positive step costs, got {costs}")
         self.costs = list(costs)
-        # Decayed sums (n, k, k^2, c, k c) for a least-squares line c = a + b k through every
-        # drafting step seen (a step with K drafts verifies K + 1 tokens and runs K draft
-        # steps: linear in K; K = 0 skips drafting altogether and keeps its own average). The
-        # policy mostly runs a few Ks, so per-K averages would know the others only from
-        # start-up; the line lets each observation inform every K.
-        self._sums = [0.0] * 5
-        for k, c in enumerate(costs[1:], start=1):
-            self._add(k, c)
-
-    def _add(self, k: int, seconds: float, keep: float = 1.0) -> None:
-        for i, x in enumerate((1.0, k, k * k, seconds, k * seconds)):
-            self._sums[i] = self._sums[i] * keep + x
+        self.scale = 1.0
 
     def cost(self, k: int) -> float:
-        n, sk, skk, sc, skc = self._sums
-        den = n * skk - sk * sk
-        if k == 0 or den <= 1e-12:
-            return self.costs[k]
-        slope = (n * skc - sk * sc) / den
-        return max((sc - slope * sk) / n + slope * k, 1e-9)
+        """Seconds per step of K drafts now: the calibrated curve times a factor that live
+        steps keep current. What moves step costs in use (a longer context, a busier
+        machine) moves every K alike, and the policy mostly runs a few Ks, so each step must
+        inform all of them; a factor learned from any K does, where per-K averages would keep
+        the Ks not run at their start-up values (stale ones then win or lose unfairly)."""
+        return self.scale * self.costs[k]
 
     def best(self, kind: TextKind) -> int:
         """argmax_K E(K) / c(K), in one pass (it runs every step)."""
@@ -130,7 +120,6 @@ class KPolicy:
         gap to the next one (up to 16x), so a model that cannot draft pays little for them."""
         self.steps += 1
         k = self.best(kind)
-        self._probe = None
         if self.probe_every and self.steps >= self._next_probe and k < self.k_max:
             self._probe = k + 1
             self._next_probe = self.steps + self._probe_gap
@@ -144,10 +133,9 @@ class KPolicy:
         for i in range(min(accepted + 1, k)):
             hits, seen = acc[i]
             acc[i] = (hits * keep + (i < accepted), seen * keep + 1.0)
-        if seconds is not None and seconds > 0:
-            self.costs[k] += self.decay * (seconds - self.costs[k])
-            if k:
-                self._add(k, seconds, keep=1.0 - self.cost_decay)
+        if seconds is not None and seconds > 0:  # one slow step (a hiccup) moves it a little
+            ratio = min(max(seconds / self.costs[k], self.scale / 3), self.scale * 3)
+            self.scale += self.cost_decay * (ratio - self.scale)
         if self._probe is not None and self._probe == k:
             failed = accepted < k  # the probed position was not accepted
             self._probe_gap = min(self._probe_gap * 2, 16 * self.probe_every) if failed \

@@ -16,10 +16,12 @@ so the CUDA-graph issue can capture the steps as they are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from engine.layers import LayerKV, rope_tables
+from engine.layers import LayerKV, RowsKV, rope_tables
 from engine.model import Transformer
 from engine.sampling import accept_greedy, accept_sampled, probs_from_logits, sample
 
@@ -87,6 +89,7 @@ class Runner:
         self.cached: list[int] = []
         self.pending = 0
         self.mtp_len = 0  # module entries are valid for positions < mtp_len
+        self._out0: tuple[int, int, Tensor] | None = None  # (length, pending, module 0 at N-1)
         self.num_drafts = 0
         self.owner: object | None = None  # the generation whose sequence this state is
 
@@ -146,6 +149,19 @@ class Runner:
         self.pending = pending
         return reused
 
+    @torch.inference_mode()
+    def catch_up(self) -> None:
+        """Bring the modules up to the trunk now (after a prefill: prompt work, not a step's),
+        keeping what the first draft needs."""
+        _catch_up_many([self])
+
+    def _caught_up(self) -> Tensor | None:
+        """Module 0's output at N-1 if the modules are up to date, else None."""
+        out = self._out0
+        if out is None or self.mtp_len != self.length or out[:2] != (self.length, self.pending):
+            return None
+        return out[2]
+
     def _catch_up(self, chunk: int = 512) -> Tensor:
         """Bring every module's cache up to the trunk; module 0's output at N-1 [1, 1, H]."""
         n = self.length
@@ -159,57 +175,144 @@ class Runner:
                                            self._rope(pos), pos, kv, mask)
                     for m, kv in enumerate(self.mtp_kv)]
         self.mtp_len = n
-        return outs[0][:, -1:]
+        self._out0 = (n, self.pending, outs[0][:, -1:])
+        return self._out0[2]
 
-    @torch.inference_mode()
     def draft(self, k: int, sampler: Sampler) -> None:
         """Draft k tokens after the pending one into `self.drafts[:k]`."""
-        self.num_drafts = k
-        if k == 0:
-            return
-        m_count, base = self.model.num_mtp, self.length  # the pending token is x_base
-        out, m = self._catch_up(), 0
-        probs = []
-        tok, q = sampler.pick(self.model.mtp_logits(0, out)[0, 0])
-        toks = [tok]
-        probs.append(q)
-        for step in range(2, k + 1):
-            h = self.model.chain_hidden(m, out)
-            m = min(step, m_count) - 1
-            p = base + step - 2 if m == 0 else base + step - 1 - m
-            pos = self.positions[p:p + 1]
-            out = self.model.mtp_forward(m, h, tok.view(1, 1), self._rope(pos), pos,
-                                         self.mtp_kv[m], self._mask(pos, p))
-            tok, q = sampler.pick(self.model.mtp_logits(m, out)[0, 0])
-            toks.append(tok)
-            probs.append(q)
-        self.drafts[:k] = torch.stack(toks)
-        self.draft_probs = None if sampler.greedy else torch.stack(probs)  # type: ignore[arg-type]
+        draft_many([self], [k], [sampler])
 
-    @torch.inference_mode()
     def verify(self, sampler: Sampler) -> list[int]:
         """Verify the pending token and the current drafts; return the committed tokens."""
-        k, n0 = self.num_drafts, self.length
-        if n0 + k + 1 > self.max_seq_len:
-            raise ContextOverflow(f"context of {self.max_seq_len} tokens is full")
-        self.verify_tokens[0, 0] = self.pending
-        self.verify_tokens[0, 1:k + 1] = self.drafts[:k]
-        tokens = self.verify_tokens[:, :k + 1]
-        pos = self.positions[n0:n0 + k + 1]
-        h = self.model.trunk(tokens, self._rope(pos), pos, self.trunk_kv, self._mask(pos, n0 + k))
-        self.hidden[:, n0:n0 + k + 1] = h
-        logits = self.model.head(h)[0]  # [K+1, V]
-        drafts = self.drafts[:k]
+        return verify_many([self], [sampler])[0]
+
+
+# Batches: several sequences, each with its own runner, stepped in one forward per model part.
+# Rows drafting fewer tokens than the batch's longest are padded; the padding writes cache
+# entries past the row's length, which are overwritten before they are ever attended to
+# (exactly as a rejected draft's are).
+
+def _rows(caches: list[list[LayerKV]], masks: list[Tensor]) -> list[RowsKV]:
+    """Per-layer batch views of per-row cache lists."""
+    return [RowsKV([row[i] for row in caches], masks) for i in range(len(caches[0]))]
+
+
+def _pick(samplers: Sequence[Sampler], logits: Tensor) -> tuple[Tensor, list[Tensor | None]]:
+    """One token per row of logits [B, V] with each row's sampler; and what it was drawn from."""
+    if all(s.greedy for s in samplers):
+        return logits.argmax(-1), [None] * len(samplers)
+    picks = [s.pick(row) for s, row in zip(samplers, logits, strict=True)]
+    return torch.stack([t for t, _ in picks]), [q for _, q in picks]
+
+
+def _catch_up_many(runners: Sequence[Runner]) -> Tensor:
+    """Bring every row's modules up to its trunk; module 0's last output per row [B, 1, H].
+
+    Rows with a short way to go (the tokens of the last step) run together, padded to the
+    longest; a row far behind (after a prefill) runs alone, in chunks."""
+    first = runners[0]
+    outs: dict[int, Tensor] = {b: out for b, r in enumerate(runners)
+                               if (out := r._caught_up()) is not None}
+    spans = [(min(r.mtp_len, r.length - 1), r.length) for r in runners]
+    width = max((e - s for b, (s, e) in enumerate(spans)
+                 if b not in outs and e - s <= first.k_max + 2), default=0)
+    together = [b for b, (r, (s, e)) in enumerate(zip(runners, spans, strict=True))
+                if b not in outs and e - s <= first.k_max + 2 and s + width <= r.max_seq_len]
+    outs.update({b: r._catch_up() for b, r in enumerate(runners)
+                 if b not in outs and b not in together})
+    if together:
+        rows = [runners[b] for b in together]
+        starts = [spans[b][0] for b in together]
+        nxt = torch.tensor([[*r.cached[s + 1:], r.pending] + [0] * (width - r.length + s)
+                            for r, s in zip(rows, starts, strict=True)], device=first.device)
+        pos = torch.stack([r.positions[s:s + width] for r, s in zip(rows, starts, strict=True)])
+        masks = [r._mask(pos[i], s + width - 1)
+                 for i, (r, s) in enumerate(zip(rows, starts, strict=True))]
+        h = torch.cat([r.hidden[:, s:s + width] for r, s in zip(rows, starts, strict=True)])
+        model = first.model
+        per_module = [model.mtp_forward(m, h, nxt, first._rope(pos), pos,
+                                        _rows([r.mtp_kv[m] for r in rows], masks))
+                      for m in range(model.num_mtp)]  # every module's cache catches up
+        out0 = per_module[0]
+        for i, (b, r, s) in enumerate(zip(together, rows, starts, strict=True)):
+            outs[b] = out0[i:i + 1, r.length - s - 1:r.length - s]
+            r.mtp_len = r.length
+            r._out0 = (r.length, r.pending, outs[b])
+    return torch.cat([outs[b] for b in range(len(runners))])
+
+
+@torch.inference_mode()
+def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[Sampler]) -> None:
+    """Draft ks[b] tokens after row b's pending token into its `drafts`, all rows at once."""
+    for r, k in zip(runners, ks, strict=True):
+        r.num_drafts = k
+    live = [b for b, k in enumerate(ks) if k > 0]
+    if not live:
+        return
+    rows, samplers = [runners[b] for b in live], [samplers[b] for b in live]
+    k_top, first = max(ks), rows[0]
+    model, m_count = first.model, first.model.num_mtp
+    bases = [r.length for r in rows]  # each row's pending token is x_base
+    if any(base + k_top > r.max_seq_len for r, base in zip(rows, bases, strict=True)):
+        raise ContextOverflow(f"context of {first.max_seq_len} tokens has no room for "
+                              f"{k_top} drafts")
+    out, m = _catch_up_many(rows), 0
+    tok, q = _pick(samplers, model.mtp_logits(0, out)[:, 0])
+    toks, probs = [tok], [q]
+    for step in range(2, k_top + 1):
+        h = model.chain_hidden(m, out)
+        m = min(step, m_count) - 1
+        ps = [base + step - 2 if m == 0 else base + step - 1 - m for base in bases]
+        pos = torch.stack([r.positions[p:p + 1] for r, p in zip(rows, ps, strict=True)])
+        masks = [r._mask(pos[b], p) for b, (r, p) in enumerate(zip(rows, ps, strict=True))]
+        out = model.mtp_forward(m, h, tok.view(-1, 1), first._rope(pos), pos,
+                                _rows([r.mtp_kv[m] for r in rows], masks))
+        tok, q = _pick(samplers, model.mtp_logits(m, out)[:, 0])
+        toks.append(tok)
+        probs.append(q)
+    drafted = torch.stack(toks, dim=1)  # [B, K]
+    for b, (r, s) in enumerate(zip(rows, samplers, strict=True)):
+        k = r.num_drafts
+        r.drafts[:k] = drafted[b, :k]
+        r.draft_probs = None if s.greedy else torch.stack(
+            [qs[b] for qs in probs[:k]])  # type: ignore[misc]
+
+
+@torch.inference_mode()
+def verify_many(runners: Sequence[Runner], samplers: Sequence[Sampler]) -> list[list[int]]:
+    """Verify each row's pending token and drafts in one trunk forward; each row's committed
+    tokens."""
+    first = runners[0]
+    k_top = max(r.num_drafts for r in runners)
+    for r in runners:
+        if r.length + k_top + 1 > r.max_seq_len:
+            raise ContextOverflow(f"context of {r.max_seq_len} tokens is full")
+        k = r.num_drafts
+        r.verify_tokens[0, 0] = r.pending
+        r.verify_tokens[0, 1:k + 1] = r.drafts[:k]
+        r.verify_tokens[0, k + 1:] = 0
+    tokens = torch.cat([r.verify_tokens[:, :k_top + 1] for r in runners])  # [B, K+1]
+    pos = torch.stack([r.positions[r.length:r.length + k_top + 1] for r in runners])
+    masks = [r._mask(pos[b], r.length + k_top) for b, r in enumerate(runners)]
+    h = first.model.trunk(tokens, first._rope(pos), pos, _rows([r.trunk_kv for r in runners],
+                                                               masks))
+    logits = first.model.head(h)  # [B, K+1, V]
+    committed = []
+    for b, (r, sampler) in enumerate(zip(runners, samplers, strict=True)):
+        k, n0 = r.num_drafts, r.length
+        r.hidden[:, n0:n0 + k_top + 1] = h[b:b + 1]
+        drafts, rows = r.drafts[:k], logits[b, :k + 1]
         if sampler.greedy:
-            out, n = accept_greedy(drafts, logits)
+            out, n = accept_greedy(drafts, rows)
         else:
-            p = probs_from_logits(logits, sampler.temperature, sampler.top_p)
-            q = self.draft_probs[:k] if k and self.draft_probs is not None else p[:0]
+            p = probs_from_logits(rows, sampler.temperature, sampler.top_p)
+            q = r.draft_probs[:k] if k and r.draft_probs is not None else p[:0]
             out, n = accept_sampled(drafts, p, q, sampler.generator)
-        accepted = int(n)  # the one host sync of a step
+        accepted = int(n)  # the one host sync of a row's step
         new = out[:accepted + 1].tolist()
-        self.cached.append(self.pending)
-        self.cached.extend(new[:-1])
-        self.pending = new[-1]
-        self.num_drafts = 0
-        return new
+        r.cached.append(r.pending)
+        r.cached.extend(new[:-1])
+        r.pending = new[-1]
+        r.num_drafts = 0
+        committed.append(new)
+    return committed

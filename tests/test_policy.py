@@ -52,11 +52,13 @@ def test_probing_keeps_measuring_past_the_best_k() -> None:
 
 
 def test_costs_are_learned_from_measured_steps() -> None:
-    policy = KPolicy(2, [1.0, 1.0, 1.0])
+    policy = KPolicy(2, [1.0, 2.0, 3.0])
     for _ in range(300):
-        policy.observe(TextKind.CODE, 2, 2, seconds=3.0)
-    assert policy.costs[2] == pytest.approx(3.0, rel=1e-3)
-    assert policy.cost(2) > 2.0  # the line through all steps moved towards it too
+        policy.observe(TextKind.CODE, 2, 2, seconds=6.0)
+    # Steps of K = 2 cost twice the calibration: so do those of every K.
+    assert [policy.cost(k) for k in range(3)] == pytest.approx([2.0, 4.0, 6.0], rel=1e-3)
+    policy.observe(TextKind.CODE, 2, 2, seconds=600.0)  # a hiccup moves it only a little
+    assert policy.cost(2) < 7.0
 
 
 def test_bad_cost_table_is_refused() -> None:
