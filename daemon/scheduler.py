@@ -1,11 +1,13 @@
 """The engine's one worker thread and the order in which it steps requests.
 
-Every loop iteration runs exactly one engine step (a prefill, or one draft+verify) of the most
-urgent live job: editor before CLI before batch, then first come first served. So a cancelled
-or superseded job stops within one step, and urgent work overtakes batch work between steps
-(the engine's generations interleave safely: each takes the KV cache back when it resumes).
-Results leave through each job's listeners, called on the worker thread: the server hands
-them to its event loop.
+Every loop iteration runs one engine step of the most urgent class of live jobs (editor
+before CLI before batch): the prefill of its oldest job that has not started, else one
+draft+verify step of all its started jobs together, as one batch (continuous batching: a job
+joins the batch after its prefill, and leaves it when it ends). So several editors typing at
+once share each step instead of queueing behind each other; a cancelled or superseded job
+stops within one step; and urgent work overtakes batch work between steps (generations
+interleave safely: each takes its KV cache back when it resumes). Results leave through each
+job's listeners, called on the worker thread: the server hands them to its event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.generate import Engine, Generation
+from engine.generate import Engine, Generation, Step
 
 PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}
 
@@ -61,6 +63,8 @@ class Counters:
     superseded: int = 0
     stale_steps: int = 0  # steps that ended after their job was cancelled (at most one each)
     errors: int = 0
+    batched_steps: int = 0  # engine steps that stepped more than one job
+    batched_jobs: int = 0  # job steps taken in those
 
 
 class Scheduler:
@@ -73,6 +77,8 @@ class Scheduler:
         self._closed = False
         self._stepping = False
         self._next_engine: Engine | None = None
+        self._prefilled = False  # the last step was a prefill (turns with decoding)
+        self._served: dict[tuple[str, str] | None, float] = {}  # key: when last stepped
         self._thread = threading.Thread(target=self._loop, name="ahead-engine", daemon=True)
         self._thread.start()
 
@@ -151,7 +157,8 @@ class Scheduler:
         for listener in job.listeners:
             listener.error("cancelled", f"request {reason}")
 
-    def _next_job(self) -> Job | None:
+    def _next_jobs(self) -> list[Job]:
+        """The jobs of the next engine step; none once closed."""
         with self._cv:
             self._stepping = False
             self._cv.notify_all()  # for wait_idle
@@ -161,42 +168,81 @@ class Scheduler:
                     self.engine, self._next_engine = self._next_engine, None
                 if self._jobs:
                     self._stepping = True
-                    return min(self._jobs, key=lambda j: (j.priority, j.seq))
+                    return self._batch()
                 if self._closed:
-                    return None
+                    return []
                 self._cv.wait()
 
+    def _batch(self) -> list[Job]:
+        """The most urgent class's jobs for one step. A prefill runs alone, then its job joins
+        the decoding batch; when both wait they take turns, so that neither new requests nor
+        running ones wait more than one step of the other kind. New requests take their
+        turns by how long ago their document was last served: one editor typing fast must
+        not keep the others' prefills (each keystroke's request being new) waiting."""
+        top = min(j.priority for j in self._jobs)
+        urgent = sorted((j for j in self._jobs if j.priority == top), key=lambda j: j.seq)
+        fresh = [j for j in urgent if j.gen is None]
+        started = len(fresh) < len(urgent)
+        if fresh and not (started and self._prefilled):
+            self._prefilled = True
+            return [min(fresh, key=lambda j: (self._served.get(j.key, 0.0), j.seq))]
+        self._prefilled = False
+        batch: list[Job] = []
+        slots: set[object] = set()
+        for job in urgent:  # one job per KV-cache slot (CLI generations share theirs)
+            if job.gen is None or job.gen.slot in slots or len(batch) == self.engine.max_slots:
+                continue
+            batch.append(job)
+            slots.add(job.gen.slot)
+        return batch
+
     def _loop(self) -> None:
-        while (job := self._next_job()) is not None:
+        while jobs := self._next_jobs():
             try:
-                self._step(job)
+                self._step(jobs)
             except Exception as e:  # a bad request must not take the worker down
                 with self._cv:
-                    self.counters.errors += 1
-                    job.finish_reason = "error"
-                    for listener in job.listeners:
-                        listener.error(_code(e), str(e))
+                    for job in jobs:  # a batch's state is shared: all of it fails
+                        self.counters.errors += 1
+                        job.finish_reason = "error"
+                        for listener in job.listeners:
+                            listener.error(_code(e), str(e))
 
-    def _step(self, job: Job) -> None:
+    def _step(self, jobs: list[Job]) -> None:
         t0 = time.monotonic()
-        if job.gen is None:
-            job.started = t0
-            job.gen = job.make(self.engine)
-        step = next(job.gen, None)
-        job.engine_s += time.monotonic() - t0
+        for job in jobs:
+            if job.gen is None:
+                job.started = t0
+                job.gen = job.make(self.engine)
+        steps = self.engine.step([job.gen for job in jobs if job.gen is not None])
+        elapsed = time.monotonic() - t0
         with self._cv:
-            job.steps += 1
-            self.counters.steps += 1
-            if not job.live:  # cancelled while the step ran: its result goes nowhere
-                self.counters.stale_steps += 1
-                return
-            if step is not None and step.text:
-                self._emit(job, step.text)
-            reason = job.gen.finish_reason
-            if reason is None and job.deadline is not None and time.monotonic() >= job.deadline:
-                reason = "deadline"
-            if reason is not None or step is None:
-                self._finish(job, reason or "stop")
+            if len(jobs) > 1:
+                self.counters.batched_steps += 1
+                self.counters.batched_jobs += len(jobs)
+            for job, step in zip(jobs, steps, strict=True):
+                self._after_step(job, step, elapsed)
+
+    def _after_step(self, job: Job, step: Step | None, elapsed: float) -> None:
+        assert job.gen is not None
+        if job.key is not None:
+            self._served[job.key] = time.monotonic()
+            if len(self._served) > 4096:  # forget documents not served for longest
+                recent = sorted(self._served.items(), key=lambda kv: kv[1])[-1024:]
+                self._served = dict(recent)
+        job.engine_s += elapsed
+        job.steps += 1
+        self.counters.steps += 1
+        if not job.live:  # cancelled while the step ran: its result goes nowhere
+            self.counters.stale_steps += 1
+            return
+        if step is not None and step.text:
+            self._emit(job, step.text)
+        reason = job.gen.finish_reason
+        if reason is None and job.deadline is not None and time.monotonic() >= job.deadline:
+            reason = "deadline"
+        if reason is not None or step is None:
+            self._finish(job, reason or "stop")
 
     def _emit(self, job: Job, text: str) -> None:
         start = len(job.text)

@@ -276,7 +276,8 @@ class Server:
         c = self.scheduler.counters
         return {"requests_completed": c.completed, "steps": c.steps, "cancelled": c.cancelled,
                 "superseded": c.superseded, "stale_steps": c.stale_steps,
-                "errors": c.errors, "completions": self.requests.completions,
+                "errors": c.errors, "batched_steps": c.batched_steps,
+                "batched_jobs": c.batched_jobs, "completions": self.requests.completions,
                 "typed_through": self.requests.typed_through}
 
     def status(self) -> dict[str, Any]:

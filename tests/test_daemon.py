@@ -145,6 +145,28 @@ async def test_editor_requests_overtake_batch_work(daemon: Server) -> None:
     await client.close()
 
 
+async def test_concurrent_editors_share_each_step(daemon: Server) -> None:
+    """Three editors asking at once are stepped as one batch (not one after another), and
+    each gets the completion it gets on an idle daemon."""
+    prefixes = [PROMPT, "import os\n\n", "class A:\n    def f(self):\n        "]
+
+    def request(i: int, doc: str) -> p.Complete:
+        return p.Complete(id=0, session=f"ed{i}", document=doc, prefix=prefixes[i],
+                          max_tokens=40, multiline=True)
+
+    clients = [client_for(daemon) for _ in prefixes]
+    together = await asyncio.wait_for(asyncio.gather(
+        *(c.run(request(i, "g.py")) for i, c in enumerate(clients))), TIMEOUT)
+    counts = daemon.scheduler.counters
+    assert counts.batched_steps > 0 and counts.batched_jobs >= 2 * counts.batched_steps
+    alone = [await clients[0].run(request(i, "h.py")) for i in range(len(prefixes))]
+    assert [d.text for d in together] == [d.text for d in alone]
+    info = await clients[0].status()
+    assert info["counts"]["batched_steps"] == counts.batched_steps
+    for c in clients:
+        await c.close()
+
+
 async def test_a_time_budget_returns_the_text_so_far(daemon: Server) -> None:
     client = client_for(daemon)
     done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=400, k=0, budget_ms=30))
