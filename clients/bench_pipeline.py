@@ -14,6 +14,8 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +81,7 @@ async def _idle(client: Client, ed: Editor, keystrokes: int) -> float:
     return ms
 
 
-def _editors(files: list[Path], count: int, seed: int) -> list[Editor]:
+def _editors(files: list[Path], count: int, seed: int, tag: str = "") -> list[Editor]:
     rng = random.Random(seed)
     out = []
     for i in range(count):
@@ -87,55 +89,68 @@ def _editors(files: list[Path], count: int, seed: int) -> list[Editor]:
         lines = text.splitlines(keepends=True)
         start = rng.randrange(len(lines) // 4, max(len(lines) // 4 + 1, len(lines) - 10))
         cursor = sum(map(len, lines[:start])) + len(lines[start]) - len(lines[start].lstrip())
-        out.append(Editor(f"editor{i}", text, cursor))
+        out.append(Editor(f"editor{i}{tag}", text, cursor))
     return out
 
 
 async def bench_pipeline(model: Path, files: list[Path], *, clients: int = 3,
                          keystrokes: int = 30, interval_ms: float = 40.0, seed: int = 0,
-                         serve_args: list[str] | None = None) -> dict[str, Any]:
+                         rounds: int = 3, serve_args: list[str] | None = None,
+                         progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`rounds` bursts, each from new cursor positions, against one daemon; the figures pool
+    them (latency ratios are medians over every editor of every round)."""
+    if rounds < 1 or clients < 1 or keystrokes < 1:
+        raise ValueError("rounds, clients and keystrokes must be at least 1")
     args = ["--model", str(model), "--idle-timeout", "120", "--no-watch", *(serve_args or [])]
+    editors: list[Editor] = []
+    idle: list[float] = []
+    counts: Counter[str] = Counter()
     with tempfile.TemporaryDirectory() as rt:
         os.environ["AHEAD_RUNTIME_DIR"] = rt  # a private daemon, not the user's
-        editors = _editors(files, clients, seed)
         control = Client(serve_args=args, client_name="bench")
         try:
             await control.connect()
-            idle = [await _idle(control, ed, keystrokes) for ed in editors]
-            before = await control.status()
-            conns = [Client(serve_args=args, client_name=ed.name) for ed in editors]
-            await asyncio.gather(*(_type(c, ed, keystrokes, interval_ms / 1000)
-                                   for c, ed in zip(conns, editors, strict=True)))
-            after = await control.status()
-            for c in conns:
-                await c.close()
+            for r in range(rounds):
+                batch = _editors(files, clients, seed + r, tag=f"r{r}")
+                idle += [await _idle(control, ed, keystrokes) for ed in batch]
+                before = await control.status()
+                conns = [Client(serve_args=args, client_name=ed.name) for ed in batch]
+                await asyncio.gather(*(_type(c, ed, keystrokes, interval_ms / 1000)
+                                       for c, ed in zip(conns, batch, strict=True)))
+                after = await control.status()
+                for c in conns:
+                    await c.close()
+                counts.update({k: v - before["counts"].get(k, 0)
+                               for k, v in after["counts"].items()})
+                editors += batch
+                if progress:
+                    progress(r + 1, rounds)
             await control.shutdown()
         finally:
             await control.close()
             os.environ.pop("AHEAD_RUNTIME_DIR", None)
-    return _summary(editors, idle, before["counts"], after["counts"], clients, keystrokes,
-                    interval_ms)
+    return _summary(editors, idle, counts, clients, keystrokes, interval_ms, rounds)
 
 
-def _summary(editors: list[Editor], idle: list[float], before: dict, after: dict,
-             clients: int, keystrokes: int, interval_ms: float) -> dict[str, Any]:
-    def delta(key: str) -> int:
-        return after.get(key, 0) - before.get(key, 0)
-
-    superseded = delta("superseded")
-    saved, prefilled = delta("reused_tokens"), delta("prefill_tokens")
+def _summary(editors: list[Editor], idle: list[float], counts: Counter[str], clients: int,
+             keystrokes: int, interval_ms: float, rounds: int) -> dict[str, Any]:
+    superseded = counts["superseded"]
+    saved, prefilled = counts["reused_tokens"], counts["prefill_tokens"]
     overheads = [o for ed in editors for o in ed.overheads]
     ratios = [ed.final_ms / i for ed, i in zip(editors, idle, strict=True)]
     return {
         "clients": clients, "keystrokes_per_client": keystrokes, "interval_ms": interval_ms,
-        "requests": delta("completions"),
+        "rounds": rounds,
+        "requests": counts["completions"],
         "superseded_requests": superseded,
-        "superseded_steps_per_request": delta("stale_steps") / superseded if superseded else 0.0,
+        "superseded_steps_per_request": counts["stale_steps"] / superseded if superseded else 0.0,
         "final_latency_ms": statistics.median(ed.final_ms for ed in editors),
         "idle_latency_ms": statistics.median(idle),
         "final_latency_ratio": statistics.median(ratios),
-        "typed_through_share": delta("typed_through") / max(delta("completions"), 1),
+        "final_latency_ratios": sorted(round(r, 3) for r in ratios),
+        "typed_through_share": counts["typed_through"] / max(counts["completions"], 1),
         "prefill_tokens_saved_share": saved / max(saved + prefilled, 1),
+        "batched_share": counts["batched_jobs"] / max(counts["steps"], 1),
         "latency_ms": percentiles([ms for ed in editors for ms in ed.latencies]),
         "overhead_ms": percentiles(overheads),
     }
@@ -143,12 +158,13 @@ def _summary(editors: list[Editor], idle: list[float], before: dict, after: dict
 
 def format_report(r: dict[str, Any]) -> str:
     return "\n".join([
-        f"{r['clients']} editors x {r['keystrokes_per_client']} keystrokes, "
-        f"{r['interval_ms']:.0f} ms apart: {r['requests']} requests, "
+        f"{r['rounds']} rounds of {r['clients']} editors x {r['keystrokes_per_client']} "
+        f"keystrokes, {r['interval_ms']:.0f} ms apart: {r['requests']} requests, "
         f"{r['superseded_requests']} superseded",
         f"stale steps per superseded request: {r['superseded_steps_per_request']:.2f}",
         f"final request: {r['final_latency_ms']:.1f} ms vs {r['idle_latency_ms']:.1f} ms idle "
-        f"(ratio {r['final_latency_ratio']:.2f}, median over editors)",
+        f"(ratio {r['final_latency_ratio']:.2f}, median over editors and rounds)",
+        f"job steps taken in batches of several: {r['batched_share']:.1%}",
         f"keystrokes served by typing through: {r['typed_through_share']:.1%}",
         f"prefill tokens saved by prefix reuse: {r['prefill_tokens_saved_share']:.1%}",
         f"pipeline overhead (round trip minus engine): p50 {r['overhead_ms'].get('p50', 0)} ms, "

@@ -58,9 +58,17 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"file {missing[0]} does not exist")
-    result = asyncio.run(bench_pipeline(model_dir(args), files, clients=args.clients,
-                                        keystrokes=args.keystrokes,
-                                        interval_ms=args.interval_ms, seed=args.seed))
+    def progress(done: int, total: int) -> None:
+        print(f"\rbench: round {done}/{total}", end="" if done < total else "\n",
+              file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(bench_pipeline(model_dir(args), files, clients=args.clients,
+                                            keystrokes=args.keystrokes,
+                                            interval_ms=args.interval_ms, seed=args.seed,
+                                            rounds=args.rounds, progress=progress))
+    except ValueError as e:
+        raise CliError(str(e)) from None
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -197,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--keystrokes", type=int, default=30)
     pipe.add_argument("--interval-ms", type=float, default=40.0)
     pipe.add_argument("--seed", type=int, default=0)
+    pipe.add_argument("--rounds", type=int, default=3,
+                      help="bursts from new cursor positions, pooled (default: 3)")
     pipe.add_argument("--json", help="write the results to this file")
     pipe.set_defaults(func=cmd_bench_pipeline)
     lspb = bench_sub.add_parser("lsp", help="the language server's own time per completion")

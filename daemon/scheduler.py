@@ -1,13 +1,14 @@
 """The engine's one worker thread and the order in which it steps requests.
 
 Every loop iteration runs one engine step of the most urgent class of live jobs (editor
-before CLI before batch): the prefill of its oldest job that has not started, else one
-draft+verify step of all its started jobs together, as one batch (continuous batching: a job
-joins the batch after its prefill, and leaves it when it ends). So several editors typing at
-once share each step instead of queueing behind each other; a cancelled or superseded job
-stops within one step; and urgent work overtakes batch work between steps (generations
-interleave safely: each takes its KV cache back when it resumes). Results leave through each
-job's listeners, called on the worker thread: the server hands them to its event loop.
+before CLI before batch): the prefill of a job that has not started, else one draft+verify
+step of all its started jobs together, as one batch (continuous batching: a job joins the
+batch after its prefill, and leaves it when it ends; see `_batch` for the turns). So several
+editors typing at once share each step instead of queueing behind each other; a cancelled or
+superseded job stops within one step; and urgent work overtakes batch work between steps
+(generations interleave safely: each takes its KV cache back when it resumes). Results leave
+through each job's listeners, called on the worker thread: the server hands them to its
+event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Protocol
 from engine.generate import Engine, Generation, Step
 
 PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}
+PREFILLS_PER_DECODE = 1  # running jobs wait for at most this many new jobs' prefills
 
 
 class Listener(Protocol):
@@ -77,7 +79,7 @@ class Scheduler:
         self._closed = False
         self._stepping = False
         self._next_engine: Engine | None = None
-        self._prefilled = False  # the last step was a prefill (turns with decoding)
+        self._prefills = 0  # prefill steps since the last decoding step
         self._served: dict[tuple[str, str] | None, float] = {}  # key: when last stepped
         self._thread = threading.Thread(target=self._loop, name="ahead-engine", daemon=True)
         self._thread.start()
@@ -175,18 +177,18 @@ class Scheduler:
 
     def _batch(self) -> list[Job]:
         """The most urgent class's jobs for one step. A prefill runs alone, then its job joins
-        the decoding batch; when both wait they take turns, so that neither new requests nor
-        running ones wait more than one step of the other kind. New requests take their
-        turns by how long ago their document was last served: one editor typing fast must
-        not keep the others' prefills (each keystroke's request being new) waiting."""
+        the decoding batch. New requests go first, but running ones wait for at most
+        PREFILLS_PER_DECODE prefills: neither kind starves the other. New requests take
+        their turns by how long ago their document was last served: one editor typing fast
+        must not keep the others' prefills (each keystroke's request being new) waiting."""
         top = min(j.priority for j in self._jobs)
         urgent = sorted((j for j in self._jobs if j.priority == top), key=lambda j: j.seq)
         fresh = [j for j in urgent if j.gen is None]
         started = len(fresh) < len(urgent)
-        if fresh and not (started and self._prefilled):
-            self._prefilled = True
+        if fresh and not (started and self._prefills >= PREFILLS_PER_DECODE):
+            self._prefills += 1
             return [min(fresh, key=lambda j: (self._served.get(j.key, 0.0), j.seq))]
-        self._prefilled = False
+        self._prefills = 0
         batch: list[Job] = []
         slots: set[object] = set()
         for job in urgent:  # one job per KV-cache slot (CLI generations share theirs)

@@ -108,14 +108,22 @@ def test_bench_pipeline_reports_its_figures(trained_dir: Path, tmp_path: Path,
     monkeypatch.setenv("AHEAD_STATE_DIR", str(tmp_path / "state"))
     out = tmp_path / "pipeline.json"
     proc = ahead("bench", "pipeline", "--model", str(trained_dir), "--clients", "2",
-                 "--keystrokes", "5", "--interval-ms", "20", "--json", str(out))
+                 "--keystrokes", "5", "--interval-ms", "20", "--rounds", "2",
+                 "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     for key in ("superseded_steps_per_request", "final_latency_ratio", "typed_through_share",
-                "prefill_tokens_saved_share"):
+                "prefill_tokens_saved_share", "batched_share"):
         assert isinstance(result[key], float | int), key
-    assert result["requests"] == 12 and result["superseded_steps_per_request"] <= 1
+    assert result["requests"] == 2 * 2 * 6 and result["superseded_steps_per_request"] <= 1
+    assert len(result["final_latency_ratios"]) == 4  # every editor of every round
     assert result["overhead_ms"]["p50"] >= 0 and "p99" in result["overhead_ms"]
+
+
+def test_bench_pipeline_refuses_zero_rounds(trained_dir: Path) -> None:
+    proc = ahead("bench", "pipeline", "--model", str(trained_dir), "--rounds", "0")
+    assert proc.returncode == 1 and "at least 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_model_that_does_not_load_is_reported_through_the_daemon(
