@@ -70,7 +70,9 @@ class Engine:
 
     A slot (one `Runner`: caches and buffers for one sequence) is kept per key, such as an
     editor's document, so that each keeps its prefix cached while others run; the least
-    recently used slot is recycled when all are taken. Steps run one at a time.
+    recently used slot is recycled when all are taken. `step()` runs one step of several
+    generations in different slots as one batch: one trunk forward verifies every row's
+    drafts, one module forward per draft position drafts for every row.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_seq_len: int = 4096,
