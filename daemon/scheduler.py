@@ -13,6 +13,7 @@ event loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Protocol
 
 from engine.generate import Engine, Generation, Step
 
+log = logging.getLogger("ahead.daemon")
 PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}
 PREFILLS_PER_DECODE = 1  # running jobs wait for at most this many new jobs' prefills
 
@@ -176,39 +178,35 @@ class Scheduler:
                 self._cv.wait()
 
     def _batch(self) -> list[Job]:
-        """The most urgent class's jobs for one step. A prefill runs alone, then its job joins
-        the decoding batch. New requests go first, but running ones wait for at most
-        PREFILLS_PER_DECODE prefills: neither kind starves the other. New requests take
-        their turns by how long ago their document was last served: one editor typing fast
-        must not keep the others' prefills (each keystroke's request being new) waiting."""
-        top = min(j.priority for j in self._jobs)
-        urgent = sorted((j for j in self._jobs if j.priority == top), key=lambda j: j.seq)
-        fresh = [j for j in urgent if j.gen is None]
-        started = len(fresh) < len(urgent)
-        if fresh and not (started and self._prefills >= PREFILLS_PER_DECODE):
-            self._prefills += 1
-            return [min(fresh, key=lambda j: (self._served.get(j.key, 0.0), j.seq))]
-        self._prefills = 0
-        batch: list[Job] = []
-        slots: set[object] = set()
-        for job in urgent:  # one job per KV-cache slot (CLI generations share theirs)
-            if job.gen is None or job.gen.slot in slots or len(batch) == self.engine.max_slots:
-                continue
-            batch.append(job)
-            slots.add(job.gen.slot)
-        return batch
+        jobs = plan_step(self._jobs, self._served, self._prefills, self.engine.max_slots)
+        self._prefills = self._prefills + 1 if jobs[0].gen is None else 0
+        return jobs
 
     def _loop(self) -> None:
-        while jobs := self._next_jobs():
+        while True:
+            try:
+                jobs = self._next_jobs()
+            except Exception as e:  # a bug in the scheduling: fail the live jobs, never hang
+                log.exception("scheduling failed")
+                with self._cv:
+                    self._fail([j for j in self._jobs if j.live], e)
+                continue
+            if not jobs:
+                return
             try:
                 self._step(jobs)
             except Exception as e:  # a bad request must not take the worker down
+                if not isinstance(e, ValueError):
+                    log.exception("engine step failed")
                 with self._cv:
-                    for job in jobs:  # a batch's state is shared: all of it fails
-                        self.counters.errors += 1
-                        job.finish_reason = "error"
-                        for listener in job.listeners:
-                            listener.error(_code(e), str(e))
+                    self._fail(jobs, e)  # a batch's state is shared: all of it fails
+
+    def _fail(self, jobs: list[Job], e: Exception) -> None:
+        for job in jobs:
+            self.counters.errors += 1
+            job.finish_reason = "error"
+            for listener in job.listeners:
+                listener.error(_code(e), str(e))
 
     def _step(self, jobs: list[Job]) -> None:
         t0 = time.monotonic()
@@ -261,6 +259,32 @@ class Scheduler:
         self.counters.completed += 1
         for listener in job.listeners:
             listener.done(job)
+
+
+def plan_step(jobs: list[Job], served: dict[tuple[str, str] | None, float], prefills: int,
+              max_slots: int) -> list[Job]:
+    """The jobs of the next step, from the most urgent class of the live `jobs`.
+
+    A prefill runs alone, then its job joins the decoding batch (one job per KV-cache slot:
+    CLI generations share theirs). New requests go first, but running ones wait for at most
+    PREFILLS_PER_DECODE prefills (`prefills` have run since the last decoding step), so that
+    neither kind starves the other. New requests take their turns by when their document was
+    last `served`: one editor typing fast must not keep the others' prefills waiting (each of
+    its keystrokes' requests being new)."""
+    top = min(j.priority for j in jobs)
+    urgent = sorted((j for j in jobs if j.priority == top), key=lambda j: j.seq)
+    fresh = [j for j in urgent if j.gen is None]
+    started = len(fresh) < len(urgent)
+    if fresh and not (started and prefills >= PREFILLS_PER_DECODE):
+        return [min(fresh, key=lambda j: (served.get(j.key, 0.0), j.seq))]
+    batch: list[Job] = []
+    slots: set[object] = set()
+    for job in urgent:
+        if job.gen is None or job.gen.slot in slots or len(batch) == max_slots:
+            continue
+        batch.append(job)
+        slots.add(job.gen.slot)
+    return batch
 
 
 def _code(e: Exception) -> str:
