@@ -10,8 +10,9 @@ forward; the longest agreeing prefix d_1..d_n is kept plus one token of the targ
 Drafting then first brings every module up to the new N (the n+1 positions just verified, or
 more after steps without drafts: K = 0 steps cost exactly an autoregressive step), and module
 0's last row gives draft 1; drafts k >= 2 chain module min(k, M) on the previous draft's hidden
-state, one position further on. Positions live in tensors and verify shapes depend only on K,
-so the CUDA-graph issue can capture the steps as they are.
+state, one position further on. `verify_many` and `draft_many` step several runners' sequences
+as one batch (a runner's own steps are the one-row case). Positions live in tensors and step
+shapes depend only on the batch size and K, so CUDA graphs can capture one step per pair.
 """
 
 from __future__ import annotations
