@@ -164,7 +164,7 @@ class Engine:
                 continue
             if not g._started:
                 steps[i] = g._prefill()
-            elif (s := g._ready()) >= 0:
+            elif (s := g._ready()) is not None:
                 batch.append(i)
                 draft_s.append(s)
         if not batch:
@@ -186,7 +186,8 @@ class Engine:
         return steps
 
     def _draft(self, gens: list[Generation]) -> None:
-        """Draft the next step of each generation, in one batch."""
+        """Draft the next step of each generation, in one batch (of one, after a prefill or
+        a rebuild)."""
         if not gens:
             return
         t0 = time.perf_counter()
@@ -271,13 +272,13 @@ class Generation(Iterator[Step]):
         step = self._commit([first], k=0, accepted=0)
         r.owner = self
         if self.finish_reason is None:
-            self._draft_next()
+            self.engine._draft([self])
         return step
 
-    def _ready(self) -> float:
+    def _ready(self) -> float | None:
         """Before a verify: take the cache back if another generation ran in this slot (the
         rebuild is not a step's cost), and end if the context is full. Returns the seconds
-        the pending drafts took, or -1 when it ended."""
+        the pending drafts took, or None when it ended."""
         r = self.engine.runner_for(self.slot)
         if r.owner is not self:
             r.restore(self.prompt + self._committed[:-1], self._committed[-1])
@@ -285,10 +286,10 @@ class Generation(Iterator[Step]):
                 r.catch_up()
             r.owner = self
             self.stats.resumed += 1
-            self._draft_next()
+            self.engine._draft([self])
         if r.length + r.num_drafts + 1 > r.max_seq_len:
             self.finish("length")  # the context is full
-            return -1.0
+            return None
         return self._draft_s
 
     def _verified(self, new: list[int], k: int, seconds: float, *, alone: bool) -> Step:
@@ -303,11 +304,6 @@ class Generation(Iterator[Step]):
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
-
-    def _draft_next(self) -> None:
-        t0, r = time.perf_counter(), self.engine.runner_for(self.slot)
-        r.draft(self._choose_k(r), self.sampler)
-        self._draft_s = time.perf_counter() - t0
 
     def _choose_k(self, r: Runner) -> int:
         """Drafts for the next step: the policy's (or the fixed) K, within what is left to
