@@ -136,6 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(out=args.out, preset=args.preset, steps=args.steps,
                       batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       corpus_chars=int(args.corpus_mb * 1e6), seed=args.seed,
+                      fim_rate=args.fim_rate, spm_rate=args.spm_rate,
                       save_every=args.save_every, head_steps=args.head_steps, device=device)
     train(cfg, _log)
     trained = Path(args.out) / "model"
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--corpus-mb", type=float, default=60.0, help="corpus size cap")
     tr.add_argument("--save-every", type=int, default=200)
+    tr.add_argument("--fim-rate", type=float, default=0.5,
+                    help="share of samples in fill-in-the-middle form")
+    tr.add_argument("--spm-rate", type=float, default=0.5, help="share of the FIM samples in "
+                    "suffix-prefix-middle order (then the model's prompts use that order)")
     tr.add_argument("--head-steps", type=int, default=0,
                     help="then train the MTP module alone as decoding chains it")
     tr.add_argument("--seed", type=int, default=0)

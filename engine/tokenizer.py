@@ -41,6 +41,7 @@ _TRAIN_EXTRAS = {"qwen": ("<|repo_name|>",), "starcoder": ("<repo_name>",)}
 _STOP_STRINGS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|im_end|>", "<fim_pad>",
                  "<file_sep>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "▁<EOT>", "<EOT>")
 _EOS = "<|endoftext|>"
+FIM_ORDERS = ("psm", "spm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +58,18 @@ class FimTokens:
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus what code completion needs: FIM ids and stop ids."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, eos_ids: Iterable[int] = ()) -> None:
+    def __init__(self, tok: tokenizers.Tokenizer, eos_ids: Iterable[int] = (), *,
+                 fim_order: str = "psm") -> None:
         self._tok = tok
         added = tok.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self.eos_ids = frozenset(eos_ids)
         self.fim = _detect_fim(tok)
+        if fim_order not in FIM_ORDERS:
+            raise TokenizerError(f"unknown fim_order {fim_order!r}; expected one of {FIM_ORDERS}")
+        if fim_order == "spm" and self.fim is not None and self.fim.style == "codellama":
+            raise TokenizerError("suffix-prefix-middle prompts are not supported for CodeLlama")
+        self.fim_order = fim_order
         stops = (tok.token_to_id(s) for s in _STOP_STRINGS)
         self.stop_ids = self.eos_ids | {i for i in stops if i is not None}
         # SentencePiece-style tokenizers put a "▁" before every encoded text.
@@ -76,12 +83,14 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load `tokenizer.json`; eos ids come from the HF config files beside it."""
+        """Load `tokenizer.json`; eos ids come from the HF config files beside it, and the FIM
+        order from `tokenizer_config.json`'s `fim_order` ("psm", the default, or "spm")."""
         path = Path(path)
         if not path.is_dir():
             raise TokenizerError(f"model directory {path} does not exist")
         tok = _load(path / "tokenizer.json")
-        return cls(tok, _eos_ids(tok, path))
+        order = _read_json(path / "tokenizer_config.json").get("fim_order", "psm")
+        return cls(tok, _eos_ids(tok, path), fim_order=order)
 
     @property
     def vocab_size(self) -> int:
@@ -110,7 +119,13 @@ class Tokenizer:
 
     def fim_prompt(self, prefix: str, suffix: str, *,
                    extra: Sequence[tuple[str, str]] = ()) -> list[int]:
-        """Prefix-suffix-middle prompt ids; `extra` is (path, text) context from other files."""
+        """FIM prompt ids; `extra` is (path, text) context from other files.
+
+        In the default prefix-suffix-middle order the suffix follows the prefix, so every
+        keystroke moves it and the KV cache must run it again. A model trained in
+        suffix-prefix-middle order (`fim_order` "spm") gets the suffix first and the prefix
+        last, ending the prompt; the answer continues the prefix, and typing only appends.
+        """
         fim = self.fim
         if fim is None:
             raise TokenizerError("tokenizer has no fill-in-the-middle tokens")
@@ -125,6 +140,9 @@ class Tokenizer:
             # space before it, so spell that space out only when the marker lacks it.
             gap = "" if (self._tok.id_to_token(fim.suffix) or "").startswith("▁") else " "
             prefix, suffix = f" {prefix}{gap}", f"{suffix}{gap}"
+        if self.fim_order == "spm":
+            return [*self.bos_ids, *context, fim.prefix, fim.suffix, *self.encode_text(suffix),
+                    fim.middle, *self.encode_text(prefix)]
         return [*self.bos_ids, *context, fim.prefix, *self.encode_text(prefix),
                 fim.suffix, *self.encode_text(suffix), fim.middle]
 
@@ -243,6 +261,16 @@ def save_tokenizer_dir(tok: tokenizers.Tokenizer, path: str | Path, *,
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
               "clean_up_tokenization_spaces": False}
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def set_fim_order(path: str | Path, order: str) -> None:
+    """Record in a model directory's `tokenizer_config.json` the FIM order it was trained on."""
+    if order not in FIM_ORDERS:
+        raise ValueError(f"unknown fim_order {order!r}; expected one of {FIM_ORDERS}")
+    file = Path(path) / "tokenizer_config.json"
+    config = _read_json(file)
+    config["fim_order"] = order
+    file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _load(path: Path) -> tokenizers.Tokenizer:

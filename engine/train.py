@@ -24,7 +24,7 @@ from engine.config import PRESETS
 from engine.corpus import collect, source_roots, write_manifest
 from engine.losses import lm_losses
 from engine.model import Transformer
-from engine.tokenizer import Tokenizer, save_tokenizer_dir, train_byte_level_bpe
+from engine.tokenizer import Tokenizer, save_tokenizer_dir, set_fim_order, train_byte_level_bpe
 from engine.weights import save_model
 
 Log = Callable[[str], None]
@@ -43,6 +43,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     mtp_weight: float = 0.3
     fim_rate: float = 0.5
+    spm_rate: float = 0.5  # of the FIM samples, the share in suffix-prefix-middle order
     vocab_size: int = 4096
     corpus_chars: int = 60_000_000
     tokenizer_chars: int = 15_000_000
@@ -58,8 +59,9 @@ class TrainConfig:
             raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         if self.seq_len < 16 or self.batch_size < 1 or self.steps < 1:
             raise ValueError("need seq_len >= 16, batch_size >= 1 and steps >= 1")
-        if not 0 <= self.fim_rate <= 1:
-            raise ValueError(f"fim_rate must be in [0, 1], got {self.fim_rate}")
+        for name in ("fim_rate", "spm_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 def prepare_data(cfg: TrainConfig, log: Log) -> Tokenizer:
@@ -104,8 +106,14 @@ def _encode_docs(tok: Tokenizer, docs: list[str]) -> np.ndarray:
 
 
 class Batches:
-    """Random windows of the token stream; a share of them rearranged into FIM form:
-    <fim_prefix> P <fim_suffix> S <fim_middle> M <|endoftext|>, cut at random points."""
+    """Random windows of the token stream; a share of them rearranged into FIM form, cut at
+    random points, in one of two orders (as StarCoder trains them):
+
+    PSM  <fim_prefix> P <fim_suffix> S <fim_middle> M <|endoftext|>
+    SPM  <fim_prefix> <fim_suffix> S <fim_middle> P M <|endoftext|>
+
+    In SPM the prompt ends with the prefix, which the answer simply continues: typing only
+    appends to the prompt, so the KV cache keeps the suffix (see `Tokenizer.fim_prompt`)."""
 
     def __init__(self, tokens: np.ndarray, tok: Tokenizer, cfg: TrainConfig,
                  rng: np.random.Generator) -> None:
@@ -128,6 +136,8 @@ class Batches:
     def _fim(self, w: np.ndarray) -> np.ndarray:
         i, j = sorted(self.rng.integers(0, len(w) + 1, size=2))
         f = self.fim
+        if self.rng.random() < self.cfg.spm_rate:
+            return np.concatenate([[f.prefix, f.suffix], w[j:], [f.middle], w[:j], [self.eot]])
         return np.concatenate([[f.prefix], w[:i], [f.suffix], w[j:], [f.middle], w[i:j],
                                [self.eot]])
 
@@ -272,5 +282,7 @@ def export(model: Transformer, tok: Tokenizer, model_dir: Path, cfg: TrainConfig
            history: list[dict]) -> None:
     """The shippable model directory: bf16 weights beside the tokenizer and manifest."""
     save_model(model.eval(), model_dir, dtype=torch.bfloat16)
+    if cfg.fim_rate and cfg.spm_rate:  # prompts then end with the prefix (cache-friendly)
+        set_fim_order(model_dir, "spm")
     info = {"train_config": asdict(cfg), "history": history}
     (model_dir / "training.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -20,6 +20,7 @@ from engine.tokenizer import (
     Tokenizer,
     TokenizerError,
     save_tokenizer_dir,
+    set_fim_order,
     train_byte_level_bpe,
 )
 
@@ -164,6 +165,36 @@ def test_fim_prompt(styled: dict[str, Tokenizer], style: str) -> None:
     assert ids[-1] == fim.middle
     assert tok.decode(ids) == EXPECTED_PROMPTS[style]
     assert tok.decode(tok.fim_prompt(PREFIX, SUFFIX), skip_special=True).endswith(SUFFIX)
+
+
+def test_spm_prompt_puts_the_suffix_first_and_ends_with_the_prefix(qwen_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "config.json"):
+        (tmp_path / name).write_bytes((qwen_dir / name).read_bytes())
+    assert Tokenizer.from_dir(tmp_path).fim_order == "psm"  # the default
+    set_fim_order(tmp_path, "spm")
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.fim_order == "spm" and tok.eos_ids == Tokenizer.from_dir(qwen_dir).eos_ids
+    assert tok.decode(tok.fim_prompt(PREFIX, SUFFIX, extra=EXTRA)) == (
+        "<|file_sep|>util/a.py\nX = 1\n<|file_sep|>b.py\nY = 'é'\n"
+        f"<|fim_prefix|><|fim_suffix|>{SUFFIX}<|fim_middle|>{PREFIX}")
+    # Typing only appends to the prompt: the cache keeps all but the prefix's last tokens.
+    before = tok.fim_prompt(PREFIX, SUFFIX)
+    after = tok.fim_prompt(PREFIX + "msg = f'hi {name}'", SUFFIX)
+    assert after[:len(before) - 1] == before[:-1]
+
+
+def test_fim_order_is_checked(qwen_dir: Path, styled: dict[str, Tokenizer],
+                              tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="fim_order"):
+        set_fim_order(tmp_path, "pms")
+    (tmp_path / "tokenizer.json").write_bytes((qwen_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text('{"fim_order": "middle-first"}')
+    with pytest.raises(TokenizerError, match="middle-first"):
+        Tokenizer.from_dir(tmp_path)
+    with pytest.raises(TokenizerError, match="CodeLlama"):
+        Tokenizer(styled["codellama"]._tok, fim_order="spm")
 
 
 def test_fim_prompt_codellama_sentencepiece(llama_like: Tokenizer) -> None:

@@ -44,21 +44,35 @@ def test_micro_training_lowers_the_loss_resumes_and_loads_back(tmp_path: Path) -
     assert {r["split"] for r in rows} == {"train", "heldout"}
     assert all((r["split"] == "heldout") == is_heldout(r["sha256"]) for r in rows)
     engine = Engine.load(tmp_path / "model", max_seq_len=256)
+    assert engine.tokenizer.fim_order == "spm"  # trained on both orders, prompts use SPM
     fim = engine.tokenizer.fim_prompt("def add(a, b):\n    return ", "\n")
     assert engine.generate(fim, GenParams(max_new_tokens=5)).tokens
 
 
-def test_fim_samples_have_the_fim_layout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spm_rate", [0.0, 1.0])
+def test_fim_samples_have_the_fim_layout(tmp_path: Path, spm_rate: float) -> None:
     cfg = micro(tmp_path, 1)
     tok = prepare_data(cfg, lambda _: None)
     tokens = np.load(tmp_path / "data" / "train.npy")
-    assert tok.fim is not None
-    batches = Batches(tokens, tok, replace(cfg, fim_rate=1.0), np.random.default_rng(0))
+    fim = tok.fim
+    assert fim is not None
+    batches = Batches(tokens, tok, replace(cfg, fim_rate=1.0, spm_rate=spm_rate, batch_size=32),
+                      np.random.default_rng(0))
     rows = batches()
-    assert rows.shape == (cfg.batch_size, cfg.seq_len)
+    assert rows.shape == (32, cfg.seq_len)
+    stream = tokens.astype("<u2").tobytes()
     for row in rows.tolist():
-        assert row[0] == tok.fim.prefix and row[-1] == tok.token_to_id("<|endoftext|>")
-        assert row.index(tok.fim.suffix) < row.index(tok.fim.middle)
+        assert row[0] == fim.prefix and row[-1] == tok.token_to_id("<|endoftext|>")
+        s, m = row.index(fim.suffix), row.index(fim.middle)
+        assert s < m
+        if spm_rate:  # <pre> <suf> S <mid> P M <eot>: P M S is the window
+            assert s == 1
+            window = row[m + 1:-1] + row[s + 1:m]
+        else:  # <pre> P <suf> S <mid> M <eot>: P M S is the window
+            window = row[1:s] + row[m + 1:-1] + row[s + 1:m]
+        assert len(window) == cfg.seq_len - 4
+        at = stream.find(np.asarray(window, dtype="<u2").tobytes())
+        assert at >= 0 and at % 2 == 0  # a contiguous stretch of the token stream
 
 
 def test_corpus_is_deduplicated_and_split_by_content() -> None:
