@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.model import Transformer
-from engine.policy import KPolicy, TextKind, classify
+from engine.policy import DraftChain, KPolicy, TextKind, classify
 from engine.runner import Runner, Sampler, draft_many, verify_many
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import load_model
@@ -192,38 +192,53 @@ class Engine:
             return
         t0 = time.perf_counter()
         runners = [self.runner_for(g.slot) for g in gens]
-        ks = [g._choose_k(r) for g, r in zip(gens, runners, strict=True)]
+        plans = [g._choose_k(r) for g, r in zip(gens, runners, strict=True)]
         room = min(r.max_seq_len - r.length for r in runners) - 2  # padded rows need it too
-        draft_many(runners, [max(0, min(k, room)) for k in ks], [g.sampler for g in gens])
+        draft_many(runners, [max(0, min(k, room)) for k, _ in plans], [g.sampler for g in gens],
+                   [chain.more if chain else None for _, chain in plans])
         for g in gens:
             g._draft_s = time.perf_counter() - t0
 
-    def measure_costs(self, reps: int = 5, context: int = 1024) -> list[float]:
-        """Seconds per step for each K (verify of K+1 tokens plus K draft steps; the median
-        of `reps`), at a context as long as an editor's prompt: attention over it is a good
-        part of a step's cost."""
+    def measure_costs(self, reps: int = 7, context: int = 1024) -> list[float]:
+        """Seconds per step for each K (verify of K+1 tokens plus K draft steps), at a
+        context as long as an editor's prompt: attention over it is a good part of a step's
+        cost. The Ks take turns, round after round, so that a disturbance of the machine
+        (another process, a frequency change) spreads over all of them instead of bending
+        one; each K's cost is the median of its `reps` rounds, made monotone (more drafts
+        never cost less). The curve is not a line: on a CPU a verify of 3 to 6 tokens costs
+        about what one of 2 does."""
         if self.k_max == 0:
             return [1.0]
         r, greedy = self.runner, Sampler(0.0, 1.0, 0, self.device)
-        growth = (reps + 1) * (self.k_max + 1) + 2  # the most one K's steps can add
-        n = max(1, min(context, self.max_seq_len - growth))
+        n = max(1, min(context, self.max_seq_len // 2))
         vocab = self.model.cfg.vocab_size
         warm = [(i * 7919 + 13) % vocab for i in range(n)]
         r.reset()
         first, _ = r.prefill(warm, greedy)
-        costs = []
-        for k in range(self.k_max + 1):
-            r.restore(warm, first)  # back to the same context for every K
-            r.catch_up()
-            times = []
-            for _ in range(reps + 1):  # the first step also warms up this K's shapes
+        r.catch_up()
+        times: list[list[float]] = [[] for _ in range(self.k_max + 1)]
+        for _ in range(reps + 1):  # the first round warms up every K's shapes
+            for k in range(self.k_max + 1):
+                if r.length + k + 2 > r.max_seq_len:  # a short context fills up: start over
+                    r.restore(warm, first)
+                    r.catch_up()
                 t0 = time.perf_counter()
                 r.draft(k, greedy)
                 r.verify(greedy)
-                times.append(time.perf_counter() - t0)
-            costs.append(statistics.median(times[1:]))
+                times[k].append(time.perf_counter() - t0)
         r.reset()
-        return costs
+        return monotone([statistics.median(t[1:]) for t in times])
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def _padding_groups(runners: list[Runner], k_top: int) -> list[list[int]]:
@@ -305,16 +320,21 @@ class Generation(Iterator[Step]):
         if self.finish_reason is None:
             self.finish_reason = reason
 
-    def _choose_k(self, r: Runner) -> int:
-        """Drafts for the next step: the policy's (or the fixed) K, within what is left to
-        generate and the room in the context."""
+    def _choose_k(self, r: Runner) -> tuple[int, DraftChain | None]:
+        """Drafts for the next step, within what is left to generate and the room in the
+        context: a fixed K, or (adaptive) up to k_max with the policy's rule for stopping
+        after each draft, when the policy drafts at all."""
         if not self.use_mtp:
-            return 0
-        fixed = self.params.k
-        k = self.engine.policy.choose(self._kind) if fixed is None else fixed
+            return 0, None
+        fixed, policy = self.params.k, self.engine.policy
+        chosen = policy.choose(self._kind) if fixed is None else fixed
+        k = fixed if fixed is not None else self.engine.k_max if chosen else 0
         room = r.max_seq_len - r.length - 2
-        return max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
-                          room))
+        k = max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
+                       room))
+        if fixed is not None or not k:
+            return k, None
+        return k, policy.chain(self._kind, floor=chosen if policy.probing else 1)
 
     def _record(self, k: int, accepted: int, seconds: float | None, kind: TextKind) -> None:
         s = self.stats
@@ -329,7 +349,8 @@ class Generation(Iterator[Step]):
             s.verified_by_pos[i] += 1
             s.accepted_by_pos[i] += i < accepted
         if self.use_mtp and self.params.k is None:
-            self.engine.policy.observe(kind, k, accepted, seconds)
+            confidence = self.engine.runner_for(self.slot).draft_confidence
+            self.engine.policy.observe(kind, k, accepted, seconds, confidence[:k])
 
     def _commit(self, new: list[int], *, k: int, accepted: int) -> Step:
         """Append tokens up to a stop token or the token limit, then apply stop strings."""

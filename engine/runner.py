@@ -17,7 +17,7 @@ shapes depend only on the batch size and K, so CUDA graphs can capture one step 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -85,6 +85,7 @@ class Runner:
         self.verify_tokens = torch.zeros(1, self.k_max + 1, dtype=torch.long, device=self.device)
         self.drafts = torch.zeros(max(self.k_max, 1), dtype=torch.long, device=self.device)
         self.draft_probs: Tensor | None = None  # [K, V] when sampling
+        self.draft_confidence: list[float] = []  # each draft's probability, when asked for
         self.hidden = torch.zeros(1, max_seq_len, cfg.hidden_size, device=self.device,
                                   dtype=self.dtype)  # trunk output h_t, [1, T, H]
         self.cached: list[int] = []
@@ -243,14 +244,20 @@ def _catch_up_many(runners: Sequence[Runner]) -> Tensor:
 
 
 @torch.inference_mode()
-def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[Sampler]) -> None:
-    """Draft ks[b] tokens after row b's pending token into its `drafts`, all rows at once."""
+def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[Sampler],
+               go_on: Sequence[Callable[[float], bool] | None] | None = None) -> None:
+    """Draft up to ks[b] tokens after row b's pending token into its `drafts`, all rows at
+    once. A row with a `go_on` rule is given each draft's probability under the module
+    (recorded in `draft_confidence`) and stops when the rule says so; the rows still
+    drafting go on together."""
     for r, k in zip(runners, ks, strict=True):
         r.num_drafts = k
+        r.draft_confidence = []
     live = [b for b, k in enumerate(ks) if k > 0]
     if not live:
         return
     rows, samplers = [runners[b] for b in live], [samplers[b] for b in live]
+    rules = [go_on[b] for b in live] if go_on else [None] * len(live)
     k_top, first = max(ks), rows[0]
     model, m_count = first.model, first.model.num_mtp
     bases = [r.length for r in rows]  # each row's pending token is x_base
@@ -258,9 +265,14 @@ def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[
         raise ContextOverflow(f"context of {first.max_seq_len} tokens has no room for "
                               f"{k_top} drafts")
     out, m = _catch_up_many(rows), 0
-    tok, q = _pick(samplers, model.mtp_logits(0, out)[:, 0])
+    logits = model.mtp_logits(0, out)[:, 0]
+    tok, q = _pick(samplers, logits)
     toks, probs = [tok], [q]
-    for step in range(2, k_top + 1):
+    ends = [r.num_drafts for r in rows]
+    k_top = _stop_rows(rows, rules, ends, logits, tok, q, 1)
+    step = 1
+    while step < k_top:
+        step += 1
         h = model.chain_hidden(m, out)
         m = min(step, m_count) - 1
         ps = [base + step - 2 if m == 0 else base + step - 1 - m for base in bases]
@@ -268,15 +280,35 @@ def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[
         masks = [r._mask(pos[b], p) for b, (r, p) in enumerate(zip(rows, ps, strict=True))]
         out = model.mtp_forward(m, h, tok.view(-1, 1), first._rope(pos), pos,
                                 _rows([r.mtp_kv[m] for r in rows], masks))
-        tok, q = _pick(samplers, model.mtp_logits(m, out)[:, 0])
+        logits = model.mtp_logits(m, out)[:, 0]
+        tok, q = _pick(samplers, logits)
         toks.append(tok)
         probs.append(q)
+        k_top = _stop_rows(rows, rules, ends, logits, tok, q, step)
     drafted = torch.stack(toks, dim=1)  # [B, K]
     for b, (r, s) in enumerate(zip(rows, samplers, strict=True)):
-        k = r.num_drafts
+        r.num_drafts = k = ends[b]
         r.drafts[:k] = drafted[b, :k]
         r.draft_probs = None if s.greedy else torch.stack(
             [qs[b] for qs in probs[:k]])  # type: ignore[misc]
+
+
+def _stop_rows(rows: Sequence[Runner], rules: Sequence[Callable[[float], bool] | None],
+               ends: list[int], logits: Tensor, tok: Tensor, q: list[Tensor | None],
+               made: int) -> int:
+    """After each row's draft number `made`: ask the rows with a rule and still drafting
+    whether to go on, cutting `ends` where they stop. Returns how far the batch drafts now."""
+    asking = [b for b, rule in enumerate(rules) if rule is not None and ends[b] >= made]
+    if asking:
+        greedy = torch.softmax(logits[asking].float(), -1).gather(-1, tok[asking, None])
+        conf = greedy[:, 0].tolist()  # the one host sync of a draft position
+        for j, b in enumerate(asking):
+            qb = q[b]
+            c = conf[j] if qb is None else float(qb[tok[b]])  # sampled: its own distribution
+            rows[b].draft_confidence.append(c)
+            if ends[b] > made and not rules[b](c):  # type: ignore[misc]
+                ends[b] = made
+    return max(ends)
 
 
 @torch.inference_mode()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import generate as generate_module
 from engine import runner as runner_module
-from engine.generate import Engine, GenParams
+from engine.generate import Engine, GenParams, monotone
 from engine.runner import ContextOverflow
 from engine.synthetic import write_checkpoint
 from tests.conftest import CHAIN_VOCAB
@@ -163,3 +166,19 @@ def test_each_slot_keeps_its_own_prefix(trained_dir: Path) -> None:
     assert back.stats.reused_tokens == 0  # b's slot had been recycled
     with pytest.raises(ValueError, match="slot"):
         Engine.load(trained_dir, slots=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.001, 100.0), min_size=1, max_size=12))
+def test_step_costs_are_made_monotone_by_least_squares(costs: list[float]) -> None:
+    fitted = monotone(costs)
+    assert len(fitted) == len(costs)
+    assert all(a <= b + 1e-9 for a, b in itertools.pairwise(fitted))
+    assert sum(fitted) == pytest.approx(sum(costs))  # pooling keeps each block's mean
+    if all(a <= b for a, b in itertools.pairwise(costs)):
+        assert fitted == pytest.approx(costs)
+
+
+def test_one_disturbed_measurement_bends_the_cost_curve_locally() -> None:
+    assert monotone([4.4, 5.9, 7.9, 7.7, 7.7, 7.8, 8.7, 11.5, 9.6]) == pytest.approx(
+        [4.4, 5.9, 7.7667, 7.7667, 7.7667, 7.8, 8.7, 10.55, 10.55], abs=1e-3)

@@ -94,3 +94,37 @@ def test_failed_probes_back_off_and_a_success_resets() -> None:
         k = policy.choose(TextKind.CODE)
         policy.observe(TextKind.CODE, k, k)
     assert policy.best(TextKind.CODE) == 8
+
+
+def test_calibration_starts_at_the_probability_and_learns_the_truth() -> None:
+    policy = KPolicy(8, COSTS)
+    assert policy.accept_given(0.15) == pytest.approx(0.15)  # no observations yet
+    for _ in range(300):  # drafts the module gives 0.15 are in truth accepted 3 times in 4
+        for accepted in (0, 1, 1, 1):
+            policy.observe(TextKind.CODE, 1, accepted, confidences=[0.15])
+    assert policy.accept_given(0.15) == pytest.approx(0.75, abs=0.03)
+    assert policy.accept_given(0.95) == pytest.approx(0.95)  # other bins are untouched
+
+
+def test_the_chain_goes_on_while_drafts_look_good_and_stops_at_a_doubtful_one() -> None:
+    policy = trained(0.8)
+    policy.best(TextKind.CODE)  # sets the run's rate, as choose() does each step
+    sure = policy.chain(TextKind.CODE)
+    assert all(sure.more(0.99) for _ in range(7))  # confident all the way to k_max
+    doubtful = policy.chain(TextKind.CODE)
+    assert doubtful.more(0.9) and not doubtful.more(0.02)
+    probe = policy.chain(TextKind.CODE, floor=3)
+    assert probe.more(0.01) and probe.more(0.01) and not probe.more(0.01)
+
+
+def test_expensive_drafts_stop_the_chain_sooner() -> None:
+    def length(costs: list[float]) -> int:
+        policy = trained(0.8)
+        policy.set_costs(costs)
+        policy.best(TextKind.CODE)
+        chain, n = policy.chain(TextKind.CODE), 1
+        while n < 8 and chain.more(0.6):
+            n += 1
+        return n
+
+    assert length([1.0 + 1.0 * k for k in range(9)]) < length(COSTS)

@@ -10,6 +10,7 @@ import torch
 from engine.generate import Engine, GenParams
 from engine.layers import rope_tables
 from engine.model import Transformer
+from engine.runner import Sampler, draft_many
 from tests.conftest import CHAIN_VOCAB
 
 
@@ -158,3 +159,45 @@ def test_chained_training_sees_what_decoding_sees(random_engine: Engine) -> None
             students, _ = chain_logits(model, tokens, depth=3)
             row = len(seq) - 2  # depth 1 sits at position N-1
             assert [int(s[0, row].argmax()) for s in students] == drafts
+
+
+def test_a_stopping_rule_cuts_the_drafts_and_sees_each_ones_probability(
+        trained_engine: Engine) -> None:
+    """`draft_many` asks a row's rule after each draft, with the module's probability for
+    it, and stops that row alone where its rule says; the drafts it keeps are the ones an
+    uncut chain makes, and the rows that go on are not disturbed."""
+    engine = trained_engine
+    greedy = Sampler(0.0, 1.0, None, engine.device)
+    prompts = chain_prompts(2, seed=9)
+    runners = [engine.runner_for(("cut", i)) for i in range(2)]
+    for r, prompt in zip(runners, prompts, strict=True):
+        r.reset()
+        r.prefill(prompt, greedy)
+    seen: list[float] = []
+
+    def stop_after_two(p: float) -> bool:
+        seen.append(p)
+        return len(seen) < 2
+
+    with torch.inference_mode():
+        draft_many(runners, [6, 5], [greedy, greedy], [stop_after_two, None])
+        assert [r.num_drafts for r in runners] == [2, 5]
+        assert runners[0].draft_confidence == seen and len(seen) == 2
+        assert all(0.0 < p <= 1.0 for p in seen)
+        assert runners[1].draft_confidence == []  # no rule: nothing computed
+        for r in runners:
+            seq = [*r.cached, r.pending]
+            assert r.drafts[:r.num_drafts].tolist() == reference_drafts(engine.model, seq,
+                                                                        r.num_drafts)
+        # The probability of draft 1 is the module's softmax at the drafted token.
+        out = engine.model.mtp_logits(0, runners[0]._catch_up())[0, -1]
+        assert seen[0] == pytest.approx(float(out.softmax(-1).max()), rel=1e-4)
+
+
+def test_adaptive_drafting_is_lossless_and_varies_k(trained_engine: Engine) -> None:
+    engine = trained_engine
+    for prompt in chain_prompts(4, seed=10) + text_prompts(engine):
+        ar = engine.generate(prompt, GenParams(max_new_tokens=40, speculative=False))
+        adaptive = engine.generate(prompt, GenParams(max_new_tokens=40))
+        assert adaptive.tokens == ar.tokens
+    assert sum(n for _, n in engine.policy.calibration) > 0  # confidences were recorded
