@@ -105,6 +105,15 @@ class KPolicy:
         w = self.prior_weight
         return (hits + confidence * w) / (seen + w)
 
+    def mean_acceptance(self) -> float:
+        """The chance that a draft not made yet is accepted, given that those before it
+        were: the calibration table's pooled rate (every draft observed counts, so a
+        position the chain seldom reaches cannot pin it low)."""
+        hits = sum(h for h, _ in self.calibration)
+        seen = sum(n for _, n in self.calibration)
+        w = self.prior_weight
+        return (hits + self.prior * w) / (seen + w)
+
     def chain(self, kind: TextKind, floor: int = 1) -> DraftChain:
         """The stopping rule for one step's drafts (see `DraftChain`)."""
         return DraftChain(self, floor)
@@ -195,30 +204,31 @@ class DraftChain:
     being accepted together with all before it (each draft's chance read from the
     calibration table), and costs its share of the step; the chain goes on while some
     longer chain adds more tokens than R times the time it adds. The drafts not made yet
-    are valued at the chance of the last one: a confident module tends to stay confident,
-    and a hesitant one hesitant. (Per-position averages would also do, but deep positions
-    are seen rarely, and a few early failures there would stop every chain short of them
-    for good.) It makes at least `floor` drafts (a probe's), and at most as many as its
-    caller allows.
+    are valued at the pooled rate of the calibration table. (Valuing them at the last
+    draft's chance stopped a fifth of the chains after one doubtful draft, though the
+    drafts after a doubtful one are mostly confident again; per-position averages would
+    do, but deep positions are seen rarely, and a few early failures there stop every
+    chain short of them for good.) It makes at least `floor` drafts (a probe's), and at
+    most as many as its caller allows.
     """
 
-    __slots__ = ("costs", "drafted", "floor", "policy", "rate", "survival")
+    __slots__ = ("ahead", "costs", "drafted", "floor", "policy", "rate", "survival")
 
     def __init__(self, policy: KPolicy, floor: int = 1) -> None:
         self.policy, self.floor, self.rate = policy, floor, policy.rate
         self.costs = [policy.cost(k) for k in range(policy.k_max + 1)]
         self.drafted, self.survival = 0, 1.0
+        self.ahead = policy.mean_acceptance()
 
     def more(self, confidence: float) -> bool:
         """Take in the next draft's probability; whether to draft another."""
-        a = self.policy.accept_given(confidence)
-        self.survival *= a
+        self.survival *= self.policy.accept_given(confidence)
         self.drafted = k = self.drafted + 1
         if k < self.floor:
             return True
         gain, run = 0.0, self.survival
         for j in range(k + 1, len(self.costs)):
-            run *= a
+            run *= self.ahead
             gain += run
             if gain > self.rate * (self.costs[j] - self.costs[k]):
                 return True
