@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -26,11 +27,10 @@ from engine.generate import Engine
 TIMEOUT = 30
 
 
-@pytest.fixture
-async def daemon(trained_engine: Engine, tmp_path: Path) -> AsyncIterator[Server]:
-    rt = tmp_path / "rt"
+@contextlib.asynccontextmanager
+async def serving(engine: Engine, rt: Path) -> AsyncIterator[Server]:
     rt.mkdir(mode=0o700)
-    server = Server(trained_engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+    server = Server(engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
                     model_name="tiny")
     ready = asyncio.Event()
     task = asyncio.create_task(server.serve(on_ready=ready.set))
@@ -39,6 +39,12 @@ async def daemon(trained_engine: Engine, tmp_path: Path) -> AsyncIterator[Server
     server.stop()
     await asyncio.wait_for(task, TIMEOUT)
     assert not server.socket_path.exists()
+
+
+@pytest.fixture
+async def daemon(trained_engine: Engine, tmp_path: Path) -> AsyncIterator[Server]:
+    async with serving(trained_engine, tmp_path / "rt") as server:
+        yield server
 
 
 def client_for(server: Server) -> Client:
@@ -104,6 +110,32 @@ async def test_typing_through_a_suggestion_costs_no_model_work(daemon: Server) -
                                         prefix=PROMPT + "#", suffix="\n", max_tokens=4))
     assert not other.stats.typed_through or first.text.startswith("#")
     await client.close()
+
+
+async def test_with_the_bundled_model_typing_prefills_only_what_was_typed(
+        model_dir: Path, tmp_path: Path) -> None:
+    """The bundled model takes its FIM prompts suffix first (SPM): a keystroke appends to the
+    prompt, so the KV cache keeps the suffix and the daemon runs only the new tokens, where
+    prefix-suffix-middle would run the whole suffix again."""
+    engine = Engine.load(model_dir, max_seq_len=1024, k_max=2, slots=1)
+    assert engine.tokenizer.fim_order == "spm"
+    source = Path(json.__file__).read_text(encoding="utf-8")
+    cursor = source.index("def dumps(")
+    prefix, suffix = source[cursor - 1500:cursor], source[cursor:cursor + 1500]
+    async with serving(engine, tmp_path / "rt") as server:
+        client = client_for(server)
+        first = await client.run(p.Complete(id=0, session="s", document="j.py", prefix=prefix,
+                                            suffix=suffix, max_tokens=2))
+        assert first.stats.prefill_tokens > 300  # the suffix is in the prompt
+        typed = ""
+        for ch in "def dum":
+            typed += ch
+            done = await client.run(p.Complete(id=0, session="s", document="j.py",
+                                               prefix=prefix + typed, suffix=suffix,
+                                               max_tokens=2))
+            assert done.stats.typed_through or done.stats.prefill_tokens <= 4
+            assert done.stats.typed_through or done.stats.reused_tokens > 300
+        await client.close()
 
 
 async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> None:
