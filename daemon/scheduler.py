@@ -69,6 +69,8 @@ class Counters:
     errors: int = 0
     batched_steps: int = 0  # engine steps that stepped more than one job
     batched_jobs: int = 0  # job steps taken in those
+    prefilled_tokens: int = 0  # prompt tokens run by prefills, superseded jobs' included
+    prefix_reused_tokens: int = 0  # prompt tokens those prefills found in the KV cache
 
 
 class Scheduler:
@@ -233,6 +235,10 @@ class Scheduler:
         job.engine_s += elapsed
         job.steps += 1
         self.counters.steps += 1
+        if job.steps == 1:  # its prefill
+            s = job.gen.stats
+            self.counters.prefilled_tokens += s.prompt_tokens - s.reused_tokens
+            self.counters.prefix_reused_tokens += s.reused_tokens
         if not job.live:  # cancelled while the step ran: its result goes nowhere
             self.counters.stale_steps += 1
             return

@@ -277,7 +277,9 @@ class Server:
         return {"requests_completed": c.completed, "steps": c.steps, "cancelled": c.cancelled,
                 "superseded": c.superseded, "stale_steps": c.stale_steps,
                 "errors": c.errors, "batched_steps": c.batched_steps,
-                "batched_jobs": c.batched_jobs, "completions": self.requests.completions,
+                "batched_jobs": c.batched_jobs, "prefilled_tokens": c.prefilled_tokens,
+                "prefix_reused_tokens": c.prefix_reused_tokens,
+                "completions": self.requests.completions,
                 "typed_through": self.requests.typed_through}
 
     def status(self) -> dict[str, Any]:

@@ -117,6 +117,10 @@ def test_bench_pipeline_reports_its_figures(trained_dir: Path, tmp_path: Path,
         assert isinstance(result[key], float | int), key
     assert result["requests"] == 2 * 2 * 6 and result["superseded_steps_per_request"] <= 1
     assert len(result["final_latency_ratios"]) == 4  # every editor of every round
+    worked = result["final_latency_ratio_model_work"]
+    ratios = result["final_latency_ratios"]
+    assert worked is None or min(ratios) - 1e-3 <= worked <= max(ratios) + 1e-3
+    assert result["prefill_tokens_saved_share"] > 0  # later keystrokes reuse the prompt
     assert result["overhead_ms"]["p50"] >= 0 and "p99" in result["overhead_ms"]
 
 
