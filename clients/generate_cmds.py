@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients.common import CliError, load_engine, serve_args
+from clients.common import CliError, load_engine, model_dir, serve_args
 
 
 def _write(text: str) -> None:
@@ -25,6 +25,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("empty prompt")
+    if args.model:
+        model_dir(args)  # a clear error for a bad --model, before any output
     stream = not args.json
     if stream:
         _write(prompt)

@@ -72,6 +72,7 @@ def test_generate_json_from_stdin_is_identical_without_speculation(trained_dir: 
 def test_errors_are_one_clear_line(args: list[str], message: str, tmp_path: Path,
                                    random_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AHEAD_MODEL", raising=False)
+    monkeypatch.setenv("AHEAD_RUNTIME_DIR", str(tmp_path / "rt"))  # not the user's daemon
     args = [a.format(tmp=tmp_path, model=random_dir) for a in args]
     proc = ahead(*args)
     assert proc.returncode == 1
