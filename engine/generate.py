@@ -327,14 +327,17 @@ class Generation(Iterator[Step]):
         if not self.use_mtp:
             return 0, None
         fixed, policy = self.params.k, self.engine.policy
-        chosen = policy.choose(self._kind) if fixed is None else fixed
-        k = fixed if fixed is not None else self.engine.k_max if chosen else 0
+        if fixed is None:  # draft at all? then up to k_max, the chain deciding where to stop
+            chosen = policy.choose(self._kind)
+            k = self.engine.k_max if chosen else 0
+        else:
+            k = fixed
         room = r.max_seq_len - r.length - 2
         k = max(0, min(k, self.engine.k_max, self.params.max_new_tokens - len(self.tokens) - 1,
                        room))
         if fixed is not None or not k:
             return k, None
-        return k, policy.chain(self._kind, floor=chosen if policy.probing else 1)
+        return k, DraftChain(policy, floor=chosen if policy.probing else 1)
 
     def _record(self, k: int, accepted: int, seconds: float | None, kind: TextKind) -> None:
         s = self.stats

@@ -114,10 +114,6 @@ class KPolicy:
         w = self.prior_weight
         return (hits + self.prior * w) / (seen + w)
 
-    def chain(self, kind: TextKind, floor: int = 1) -> DraftChain:
-        """The stopping rule for one step's drafts (see `DraftChain`)."""
-        return DraftChain(self, floor)
-
     def expected_tokens(self, kind: TextKind, k: int) -> float:
         total, run = 1.0, 1.0
         for a in self.rates(kind)[:k]:

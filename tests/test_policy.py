@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.policy import KPolicy, TextKind, classify
+from engine.policy import DraftChain, KPolicy, TextKind, classify
 
 COSTS = [1.0 + 0.1 * k for k in range(9)]  # verify cost grows slowly with K, as on a GPU
 
@@ -109,11 +109,11 @@ def test_calibration_starts_at_the_probability_and_learns_the_truth() -> None:
 def test_the_chain_goes_on_while_drafts_look_good_and_stops_at_a_doubtful_one() -> None:
     policy = trained(0.8)
     policy.best(TextKind.CODE)  # sets the run's rate, as choose() does each step
-    sure = policy.chain(TextKind.CODE)
+    sure = DraftChain(policy)
     assert all(sure.more(0.99) for _ in range(7))  # confident all the way to k_max
-    doubtful = policy.chain(TextKind.CODE)
+    doubtful = DraftChain(policy)
     assert doubtful.more(0.9) and not doubtful.more(0.02)
-    probe = policy.chain(TextKind.CODE, floor=3)
+    probe = DraftChain(policy, floor=3)
     assert probe.more(0.01) and probe.more(0.01) and not probe.more(0.01)
 
 
@@ -122,7 +122,7 @@ def test_expensive_drafts_stop_the_chain_sooner() -> None:
         policy = trained(0.8)
         policy.set_costs(costs)
         policy.best(TextKind.CODE)
-        chain, n = policy.chain(TextKind.CODE), 1
+        chain, n = DraftChain(policy), 1
         while n < 8 and chain.more(0.6):
             n += 1
         return n
