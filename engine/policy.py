@@ -54,8 +54,8 @@ class KPolicy:
 
     def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.05,
                  prior: float = 0.6, prior_weight: float = 2.0, probe_every: int = 8,
-                 cost_decay: float = 0.05) -> None:
-        self.cost_decay = cost_decay
+                 cost_decay: float = 0.05, shape_decay: float = 0.02) -> None:
+        self.cost_decay, self.shape_decay = cost_decay, shape_decay
         self.k_max = k_max
         self.set_costs(costs)
         self.decay = decay
@@ -67,10 +67,23 @@ class KPolicy:
         # position i lift the estimate for i+1, i+2, ... too.
         self.accept: dict[TextKind, list[tuple[float, float]]] = {
             kind: [(0.0, 0.0)] * k_max for kind in TextKind}
-        # Calibration: per bin of the module's probability for its draft, (accepted, observed)
-        # sums over every kind and position, forgotten more slowly than the rates.
+        # Calibration: per draft position and bin of the module's probability for its draft,
+        # (accepted, observed) sums over every kind, forgotten more slowly than the rates;
+        # and the same summed over positions. The same probability means more further down
+        # the chain (on the bundled model a first draft of a given probability is accepted
+        # less often than a fourth), so each position keeps its own, leaning on the pooled
+        # one where it has seen little.
         self.calibration: list[tuple[float, float]] = [(0.0, 0.0)] * CONFIDENCE_BINS
+        self.calibration_at: list[list[tuple[float, float]]] = [
+            [(0.0, 0.0)] * CONFIDENCE_BINS for _ in range(k_max)]
         self.calibration_decay = 0.01
+        # How many observations a position's mean rate takes to move far from the pooled
+        # one: it values drafts not yet made, so it only learns while chains reach it, and a
+        # few failures must not stop every chain short of it for good.
+        self.position_weight = 20.0
+        self.plan_every = 8  # observed steps between refreshes of the draft chain's tables
+        self._plan: tuple[list[list[float]], list[float]] | None = None
+        self._plan_at = self._observed = 0
         self.steps = 0
         self.probing = False  # whether the last K chosen was a probe
         self.rate = 1.0 / self.cost(0)  # tokens per second expected at the last best K
@@ -96,23 +109,56 @@ class KPolicy:
             out.append(last)
         return out
 
-    def accept_given(self, confidence: float) -> float:
-        """The chance a draft is accepted (drafts before it were), given the module's
-        probability for it: its calibration bin's rate, leaning on the probability itself
-        while the bin has few observations (for a module that agreed with the trunk
-        exactly, the two would be equal)."""
-        hits, seen = self.calibration[_bin(confidence)]
-        w = self.prior_weight
-        return (hits + confidence * w) / (seen + w)
+    def accept_given(self, confidence: float, position: int | None = None) -> float:
+        """The chance that a draft is accepted (drafts before it were), given the module's
+        probability for it and its position in the chain (0: the first draft; None: any).
+        The position's calibration bin leans on the bin pooled over positions, and that on
+        the probability at the bin's middle, while each has few observations (for a module
+        that agreed with the trunk exactly, the two would be equal)."""
+        b, w = _bin(confidence), self.prior_weight
+        hits, seen = self.calibration[b]
+        pooled = (hits + (b + 0.5) / CONFIDENCE_BINS * w) / (seen + w)
+        if position is None:
+            return pooled
+        hits, seen = self.calibration_at[position][b]
+        return (hits + pooled * w) / (seen + w)
 
-    def mean_acceptance(self) -> float:
-        """The chance that a draft not made yet is accepted, given that those before it
-        were: the calibration table's pooled rate (every draft observed counts, so a
-        position the chain seldom reaches cannot pin it low)."""
-        hits = sum(h for h, _ in self.calibration)
-        seen = sum(n for _, n in self.calibration)
+    def mean_acceptance(self, position: int | None = None) -> float:
+        """The chance that a draft not made yet at `position` is accepted, given that those
+        before it were: that position's rate over every bin, leaning on the rate pooled
+        over positions while it has few observations (so a position the chain seldom
+        reaches cannot pin it low)."""
         w = self.prior_weight
-        return (hits + self.prior * w) / (seen + w)
+        pooled = ((sum(h for h, _ in self.calibration) + self.prior * w)
+                  / (sum(n for _, n in self.calibration) + w))
+        if position is None:
+            return pooled
+        table, w = self.calibration_at[position], self.position_weight
+        return (sum(h for h, _ in table) + pooled * w) / (sum(n for _, n in table) + w)
+
+    def chain_plan(self) -> tuple[list[list[float]], list[float]]:
+        """What a `DraftChain` reads, refreshed every `plan_every` observed steps (the tables
+        move slowly, and a chain is made every step): each position's chance of acceptance per
+        bin of draft probability; and per number of drafts k, the break-even survival (in
+        units of the run's rate times the unscaled cost table) below which no longer chain
+        adds more tokens than the time it adds would yield at that rate."""
+        if self._plan is None or self._observed - self._plan_at >= self.plan_every:
+            self._plan_at = self._observed
+            accept = [[self.accept_given((b + 0.5) / CONFIDENCE_BINS, i)
+                       for b in range(CONFIDENCE_BINS)] for i in range(self.k_max)]
+            ahead = [self.mean_acceptance(i) for i in range(self.k_max)]
+            # Going on from k drafts to j adds survival * G_j tokens and costs
+            # rate * (c_j - c_k): it pays iff survival > rate * (c_j - c_k) / G_j.
+            unit = []
+            for k in range(self.k_max + 1):
+                best, gain, run = float("inf"), 0.0, 1.0
+                for j in range(k + 1, self.k_max + 1):
+                    run *= ahead[j - 1]
+                    gain += run
+                    best = min(best, (self.costs[j] - self.costs[k]) / gain)
+                unit.append(best)
+            self._plan = (accept, unit)
+        return self._plan
 
     def expected_tokens(self, kind: TextKind, k: int) -> float:
         total, run = 1.0, 1.0
@@ -122,19 +168,23 @@ class KPolicy:
         return total
 
     def set_costs(self, costs: list[float]) -> None:
-        """Measured seconds per step for each K: the shape of the cost curve. Live steps
-        scale it as a whole (see `cost`)."""
+        """Measured seconds per step for each K: the cost curve to start from. Live steps
+        scale it as a whole and correct its shape (see `cost`)."""
         if len(costs) != self.k_max + 1 or min(costs) <= 0:
             raise ValueError(f"need {self.k_max + 1} positive step costs, got {costs}")
         self.costs = list(costs)
         self.scale = 1.0
+        self._plan = None
 
     def cost(self, k: int) -> float:
-        """Seconds per step of K drafts now: the calibrated curve times a factor that live
-        steps keep current. What moves step costs in use (a longer context, a busier
-        machine) moves every K alike, and the policy mostly runs a few Ks, so each step must
-        inform all of them; a factor learned from any K does, where per-K averages would keep
-        the Ks not run at their start-up values (stale ones then win or lose unfairly)."""
+        """Seconds per step of K drafts now: the curve times a factor that live steps keep
+        current. What moves step costs in use (a longer context, a busier machine) moves
+        every K alike, so each step informs all of them through the factor; where per-K
+        averages alone would keep the Ks not run at their start-up values, stale ones then
+        winning or losing unfairly. Each step also moves its own K's point of the curve,
+        more slowly: the curve measured at start-up is noisy, and taken at a context of
+        other length than the prompts in use, and the draft chain's choice turns on the
+        differences between its points."""
         return self.scale * self.costs[k]
 
     def best(self, kind: TextKind) -> int:
@@ -167,6 +217,7 @@ class KPolicy:
                 confidences: Sequence[float] = ()) -> None:
         """Record a step that verified k drafts and accepted `accepted` of them; `confidences`:
         the module's probability for each draft, when known."""
+        self._observed += 1
         acc, keep = self.accept[kind], 1.0 - self.decay
         cal, cal_keep = self.calibration, 1.0 - self.calibration_decay
         # Position i is observed only when drafts < i were all accepted.
@@ -174,12 +225,15 @@ class KPolicy:
             hits, seen = acc[i]
             acc[i] = (hits * keep + (i < accepted), seen * keep + 1.0)
             if i < len(confidences):
-                b = _bin(confidences[i])
-                hits, seen = cal[b]
-                cal[b] = (hits * cal_keep + (i < accepted), seen * cal_keep + 1.0)
+                b, hit = _bin(confidences[i]), float(i < accepted)
+                for table in (cal, self.calibration_at[i]):
+                    hits, seen = table[b]
+                    table[b] = (hits * cal_keep + hit, seen * cal_keep + 1.0)
         if seconds is not None and seconds > 0:  # one slow step (a hiccup) moves it a little
             ratio = min(max(seconds / self.costs[k], self.scale / 3), self.scale * 3)
             self.scale += self.cost_decay * (ratio - self.scale)
+            own = min(max(seconds / self.scale, self.costs[k] / 3), self.costs[k] * 3)
+            self.costs[k] += self.shape_decay * (own - self.costs[k])
         if self._probe is not None and self._probe == k:
             failed = accepted < k  # the probed position was not accepted
             self._probe_gap = min(self._probe_gap * 2, 16 * self.probe_every) if failed \
@@ -197,35 +251,30 @@ class DraftChain:
     Decoding is a run of steps, and what counts is tokens per second over the run, not per
     step: so a step should yield as much as it can beyond what its time would yield at the
     run's rate R (the best K's expected rate now). Each further draft adds its chance of
-    being accepted together with all before it (each draft's chance read from the
-    calibration table), and costs its share of the step; the chain goes on while some
-    longer chain adds more tokens than R times the time it adds. The drafts not made yet
-    are valued at the pooled rate of the calibration table. (Valuing them at the last
-    draft's chance stopped a fifth of the chains after one doubtful draft, though the
-    drafts after a doubtful one are mostly confident again; per-position averages would
-    do, but deep positions are seen rarely, and a few early failures there stop every
-    chain short of them for good.) It makes at least `floor` drafts (a probe's), and at
-    most as many as its caller allows.
+    being accepted together with all before it, and costs its share of the step; the chain
+    goes on while some longer chain adds more tokens than R times the time it adds, that is
+    while the chance that every draft so far is accepted stays above a break-even point
+    (`KPolicy.chain_plan`). A draft's chance comes from its position's calibration; drafts
+    not made yet are valued at their position's mean rate, which leans on the rate pooled
+    over positions until a position has been reached often. (Valuing them at the last
+    draft's chance stopped a fifth of the chains after one doubtful draft, though the drafts
+    after a doubtful one are mostly confident again; one table for every position
+    undervalued long chains, because first drafts are the most often seen and the least
+    often right.) It makes at least `floor` drafts (a probe's), and at most as many as its
+    caller allows.
     """
 
-    __slots__ = ("ahead", "costs", "drafted", "floor", "policy", "rate", "survival")
+    __slots__ = ("accept", "drafted", "floor", "limit", "survival")
 
     def __init__(self, policy: KPolicy, floor: int = 1) -> None:
-        self.policy, self.floor, self.rate = policy, floor, policy.rate
-        self.costs = [policy.cost(k) for k in range(policy.k_max + 1)]
-        self.drafted, self.survival = 0, 1.0
-        self.ahead = policy.mean_acceptance()
+        self.accept, unit = policy.chain_plan()
+        rate = policy.rate * policy.scale  # tokens per second of the unscaled cost table
+        self.limit = [rate * u for u in unit]
+        self.floor, self.drafted, self.survival = floor, 0, 1.0
 
     def more(self, confidence: float) -> bool:
         """Take in the next draft's probability; whether to draft another."""
-        self.survival *= self.policy.accept_given(confidence)
-        self.drafted = k = self.drafted + 1
-        if k < self.floor:
-            return True
-        gain, run = 0.0, self.survival
-        for j in range(k + 1, len(self.costs)):
-            run *= self.ahead
-            gain += run
-            if gain > self.rate * (self.costs[j] - self.costs[k]):
-                return True
-        return False
+        k = self.drafted
+        self.survival *= self.accept[k][_bin(confidence)]
+        self.drafted = k = k + 1
+        return k < self.floor or self.survival > self.limit[k]

@@ -199,12 +199,23 @@ def _rows(caches: list[list[LayerKV]], masks: list[Tensor]) -> list[RowsKV]:
     return [RowsKV([row[i] for row in caches], masks) for i in range(len(caches[0]))]
 
 
-def _pick(samplers: Sequence[Sampler], logits: Tensor) -> tuple[Tensor, list[Tensor | None]]:
-    """One token per row of logits [B, V] with each row's sampler; and what it was drawn from."""
+def _pick(samplers: Sequence[Sampler], logits: Tensor,
+          confident: bool = False) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
+    """One token per row of logits [B, V] with each row's sampler; what it was drawn from;
+    and, when `confident` and every row is greedy, each token's probability [B] (the
+    softmax's top, one op more than an argmax: a draft chain asks for it at every draft)."""
     if all(s.greedy for s in samplers):
-        return logits.argmax(-1), [None] * len(samplers)
+        if confident:
+            top, tok = torch.softmax(logits.float(), -1).max(-1)
+            return tok, [None] * len(samplers), top
+        return logits.argmax(-1), [None] * len(samplers), None
     picks = [s.pick(row) for s, row in zip(samplers, logits, strict=True)]
-    return torch.stack([t for t, _ in picks]), [q for _, q in picks]
+    tok = torch.stack([t for t, _ in picks])
+    qs = [q for _, q in picks]
+    if not confident:
+        return tok, qs, None
+    return tok, qs, torch.stack([q[t] if q is not None else torch.softmax(row.float(), -1)[t]
+                                 for q, t, row in zip(qs, tok, logits, strict=True)])
 
 
 def _catch_up_many(runners: Sequence[Runner]) -> Tensor:
@@ -265,11 +276,12 @@ def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[
         raise ContextOverflow(f"context of {first.max_seq_len} tokens has no room for "
                               f"{k_top} drafts")
     out, m = _catch_up_many(rows), 0
+    asks = any(rule is not None for rule in rules)
     logits = model.mtp_logits(0, out)[:, 0]
-    tok, q = _pick(samplers, logits)
+    tok, q, conf = _pick(samplers, logits, asks)
     toks, probs = [tok], [q]
     ends = [r.num_drafts for r in rows]
-    k_top = _stop_rows(rows, rules, ends, logits, tok, q, 1)
+    k_top = _stop_rows(rows, rules, ends, conf, 1)
     step = 1
     while step < k_top:
         step += 1
@@ -281,10 +293,10 @@ def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[
         out = model.mtp_forward(m, h, tok.view(-1, 1), first._rope(pos), pos,
                                 _rows([r.mtp_kv[m] for r in rows], masks))
         logits = model.mtp_logits(m, out)[:, 0]
-        tok, q = _pick(samplers, logits)
+        tok, q, conf = _pick(samplers, logits, asks)
         toks.append(tok)
         probs.append(q)
-        k_top = _stop_rows(rows, rules, ends, logits, tok, q, step)
+        k_top = _stop_rows(rows, rules, ends, conf, step)
     drafted = torch.stack(toks, dim=1)  # [B, K]
     for b, (r, s) in enumerate(zip(rows, samplers, strict=True)):
         r.num_drafts = k = ends[b]
@@ -294,19 +306,16 @@ def draft_many(runners: Sequence[Runner], ks: Sequence[int], samplers: Sequence[
 
 
 def _stop_rows(rows: Sequence[Runner], rules: Sequence[Callable[[float], bool] | None],
-               ends: list[int], logits: Tensor, tok: Tensor, q: list[Tensor | None],
-               made: int) -> int:
+               ends: list[int], conf: Tensor | None, made: int) -> int:
     """After each row's draft number `made`: ask the rows with a rule and still drafting
-    whether to go on, cutting `ends` where they stop. Returns how far the batch drafts now."""
+    whether to go on, given their draft's probability (`conf`, [B]), cutting `ends` where
+    they stop. Returns how far the batch drafts now."""
     asking = [b for b, rule in enumerate(rules) if rule is not None and ends[b] >= made]
-    if asking:
-        greedy = torch.softmax(logits[asking].float(), -1).gather(-1, tok[asking, None])
-        conf = greedy[:, 0].tolist()  # the one host sync of a draft position
-        for j, b in enumerate(asking):
-            qb = q[b]
-            c = conf[j] if qb is None else float(qb[tok[b]])  # sampled: its own distribution
-            rows[b].draft_confidence.append(c)
-            if ends[b] > made and not rules[b](c):  # type: ignore[misc]
+    if asking and conf is not None:
+        values = conf.tolist()  # the one host sync of a draft position
+        for b in asking:
+            rows[b].draft_confidence.append(values[b])
+            if ends[b] > made and not rules[b](values[b]):  # type: ignore[misc]
                 ends[b] = made
     return max(ends)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engine.policy import DraftChain, KPolicy, TextKind, classify
@@ -55,10 +57,20 @@ def test_costs_are_learned_from_measured_steps() -> None:
     policy = KPolicy(2, [1.0, 2.0, 3.0])
     for _ in range(300):
         policy.observe(TextKind.CODE, 2, 2, seconds=6.0)
-    # Steps of K = 2 cost twice the calibration: so do those of every K.
-    assert [policy.cost(k) for k in range(3)] == pytest.approx([2.0, 4.0, 6.0], rel=1e-3)
+    # Steps of K = 2 cost twice the table: K = 2 is learned, and every K moves with it.
+    assert policy.cost(2) == pytest.approx(6.0, rel=1e-3)
+    assert policy.cost(0) > 1.5 and policy.cost(1) > 3.0
     policy.observe(TextKind.CODE, 2, 2, seconds=600.0)  # a hiccup moves it only a little
     assert policy.cost(2) < 7.0
+
+
+def test_a_wrong_shape_of_the_cost_table_is_corrected_by_live_steps() -> None:
+    policy = KPolicy(2, [1.0, 2.0, 3.0])  # measured at start-up: each draft costs the same
+    for _ in range(300):  # in use, the first draft costs as much as the step, the second none
+        policy.observe(TextKind.CODE, 1, 1, seconds=2.0)
+        policy.observe(TextKind.CODE, 2, 2, seconds=2.0)
+    assert policy.cost(1) == pytest.approx(2.0, rel=0.02)
+    assert policy.cost(2) == pytest.approx(2.0, rel=0.02)
 
 
 def test_bad_cost_table_is_refused() -> None:
@@ -104,6 +116,44 @@ def test_calibration_starts_at_the_probability_and_learns_the_truth() -> None:
             policy.observe(TextKind.CODE, 1, accepted, confidences=[0.15])
     assert policy.accept_given(0.15) == pytest.approx(0.75, abs=0.03)
     assert policy.accept_given(0.95) == pytest.approx(0.95)  # other bins are untouched
+
+
+def test_calibration_is_kept_per_draft_position() -> None:
+    policy = KPolicy(8, COSTS)
+    for step in range(400):  # at probability 0.55, a first draft is right half the time,
+        first = step % 2  # a fourth one (the three before it right) nineteen times in twenty
+        fourth = int(step % 20 != 0)
+        policy.observe(TextKind.CODE, 1, first, confidences=[0.55])
+        policy.observe(TextKind.CODE, 4, 3 + fourth, confidences=[0.99, 0.99, 0.99, 0.55])
+    assert policy.accept_given(0.55, 0) == pytest.approx(0.5, abs=0.05)
+    assert policy.accept_given(0.55, 3) == pytest.approx(0.95, abs=0.05)
+    assert policy.mean_acceptance(7) == pytest.approx(policy.mean_acceptance(), abs=0.01)
+
+
+def test_the_chain_stops_where_no_longer_chain_pays() -> None:
+    """The chain's break-even table gives the same answer as weighing every longer chain."""
+    rng = random.Random(0)
+    policy = trained(0.8)
+    for _ in range(300):
+        confidences = [rng.random() for _ in range(8)]
+        accepted = next((i for i, c in enumerate(confidences) if rng.random() > c), 8)
+        policy.observe(TextKind.CODE, 8, accepted, confidences=confidences)
+    policy.best(TextKind.CODE)
+    for _ in range(200):
+        chain, survival = DraftChain(policy), 1.0
+        for k in range(1, 8):
+            c = rng.random()
+            survival *= policy.accept_given(c, k - 1)
+            ahead = [policy.mean_acceptance(i) for i in range(8)]
+            gains, run, total = [], survival, 0.0
+            for j in range(k + 1, 9):
+                run *= ahead[j - 1]
+                total += run
+                gains.append(total - policy.rate * (policy.cost(j) - policy.cost(k)))
+            if chain.more(c) != (max(gains) > 0):
+                pytest.fail(f"draft {k}: the chain disagrees with the longer chains' gains")
+            if max(gains) <= 0:
+                break
 
 
 def test_the_chain_goes_on_while_drafts_look_good_and_stops_at_a_doubtful_one() -> None:
