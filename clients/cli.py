@@ -191,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(eng)
     eng.add_argument("--files", nargs="+", help="source files to cut prompts from "
                      "(default: held-out standard-library modules)")
-    eng.add_argument("--num-prompts", type=int, default=20)
+    eng.add_argument("--num-prompts", type=int, default=60,
+                     help="prompts, each run in every mode (default 60: with 20, the "
+                     "best modes swap places between runs)")
     eng.add_argument("--max-new-tokens", type=int, default=64)
     eng.add_argument("--ks", help="fixed Ks to run, comma-separated (default: 1..k-max)")
     eng.add_argument("--seed", type=int, default=0)

@@ -153,6 +153,12 @@ def _summary(modes: dict[str, GenParams], rates: dict[str, list[float | None]],
             out[mode] = entry
     if "adaptive" in out:
         out["adaptive"]["k_histogram"] = {str(k): v for k, v in sorted(k_hist.items())}
+        # Paired: each prompt's adaptive rate over its fixed-K rate, so that how hard a
+        # prompt is (and the autoregressive run's own noise) drops out.
+        out["adaptive"]["vs_fixed"] = {
+            mode.split(".")[1]: statistics.median(
+                (rates["adaptive"][i] or 0.0) / (rates[mode][i] or 1.0) for i in timed)
+            for mode in modes if mode.startswith("fixed.")}
     out["acceptance_by_position"] = [a / v if v else None for a, v in acc_pos]
     return out
 
@@ -170,6 +176,8 @@ def format_report(result: dict[str, Any]) -> str:
     if "adaptive" in result:
         hist = " ".join(f"{k}:{v}" for k, v in result["adaptive"]["k_histogram"].items())
         lines.append(f"adaptive K histogram (K:steps): {hist}")
+        vs = " ".join(f"K={k}:{r:.3f}" for k, r in result["adaptive"]["vs_fixed"].items())
+        lines.append(f"adaptive / fixed K, median of per-prompt ratios: {vs or '-'}")
     lines.append(f"first line exact match: {result['first_line_exact_match']:.2f}")
     if "heldout_loss" in result:
         lines.append(f"held-out loss (nats/token): {result['heldout_loss']:.3f}")

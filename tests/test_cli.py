@@ -94,6 +94,9 @@ def test_bench_engine_reports_every_mode(random_dir: Path, tmp_path: Path) -> No
         assert result["fixed"][k]["tokens_per_step"] >= 1
     assert result["adaptive"]["tokens_per_step"] >= 1
     assert sum(result["adaptive"]["k_histogram"].values()) > 0
+    assert set(result["adaptive"]["vs_fixed"]) == {"1", "3"}
+    assert all(r > 0 for r in result["adaptive"]["vs_fixed"].values())
+    assert "adaptive / fixed K" in proc.stdout
     assert isinstance(result["acceptance_by_position"], list)
 
 
