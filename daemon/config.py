@@ -7,6 +7,7 @@
     max_seq_len = 4096
     k_max = 8
     slots = 4                        # KV-cache slots (documents kept warm)
+    threads = 0                      # CPU threads for the model; 0: all cores but one
 
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
@@ -34,6 +35,7 @@ class Settings:
     max_seq_len: int = 4096
     k_max: int = 8
     slots: int = 4
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "fp32", "bf16", "fp16"):
@@ -41,8 +43,8 @@ class Settings:
         for name in ("max_seq_len", "slots"):
             if getattr(self, name) < 1:
                 raise ConfigFileError(f"{name} must be positive")
-        if self.k_max < 0 or self.idle_timeout < 0:
-            raise ConfigFileError("k_max and idle_timeout must not be negative")
+        if self.k_max < 0 or self.idle_timeout < 0 or self.threads < 0:
+            raise ConfigFileError("k_max, idle_timeout and threads must not be negative")
 
 
 def config_path() -> Path:

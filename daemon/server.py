@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
+from daemon import policy_store
 from daemon import protocol as p
 from daemon.instance import InstanceLock, peer_uid
 from daemon.reload import Loader, Reloader
@@ -168,9 +170,16 @@ class Server:
     def __init__(self, engine: Engine, socket_path: Path, lock: InstanceLock, *,
                  model_name: str, idle_timeout: float = 0.0, stats_path: Path | None = None,
                  loader: Loader | None = None, watch_debounce_ms: int | None = 1500,
-                 config_file: Path | None = None) -> None:
+                 config_file: Path | None = None, policy_dir: Path | None = None) -> None:
         """`loader` (model dir -> Engine) enables reloads; `watch_debounce_ms` None turns
-        off watching the model directory."""
+        off watching the model directory; `policy_dir` keeps the K policy's learning per
+        model across restarts (see `daemon.policy_store`)."""
+        self.policy_dir = policy_dir
+        self.policy_restored = False  # whether the K policy started from saved learning
+        if policy_dir is not None:
+            self.policy_restored = policy_store.restore(engine, policy_dir)
+            if loader is not None:
+                loader = self._restoring(loader, policy_dir)
         self.model_name = model_name
         self.socket_path, self.lock = socket_path, lock
         self.idle_timeout = idle_timeout
@@ -183,6 +192,24 @@ class Server:
         self.last_activity = self.started
         self.connections: dict[asyncio.Task[None], Connection] = {}
         self._stop: asyncio.Event | None = None
+
+    @staticmethod
+    def _restoring(loader: Loader, policy_dir: Path) -> Loader:
+        def load(model_dir: Path) -> Engine:
+            engine = loader(model_dir)
+            policy_store.restore(engine, policy_dir)
+            return engine
+        return load
+
+    def save_state(self) -> None:
+        """Save the statistics and the serving model's K policy; a failure is logged, the
+        daemon serves on."""
+        try:
+            self.stats.save(self.counts())
+            if self.policy_dir is not None:
+                policy_store.save(self.scheduler.engine, self.policy_dir)
+        except OSError as e:
+            log.error("could not save the daemon's state: %s", e)
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -210,7 +237,7 @@ class Server:
             if watcher:
                 await asyncio.wait_for(watcher, timeout=10)
             await self._shutdown(server)
-            self.stats.save(self.counts())
+            self.save_state()
         finally:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
@@ -235,7 +262,7 @@ class Server:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=1.0)
             if time.monotonic() - saved > 60:
-                self.stats.save(self.counts())
+                self.save_state()
                 saved = time.monotonic()
             idle = time.monotonic() - self.last_activity
             if self.idle_timeout and not self.connections and idle > self.idle_timeout:
@@ -292,6 +319,8 @@ class Server:
                 "reloads": reloader.reloads if reloader else 0,
                 "last_reload_error": reloader.last_error if reloader else None,
                 **self.stats.snapshot(self.counts()),
+                "policy_restored": self.policy_restored,
+                "model_threads": torch.get_num_threads(),
                 "acceptance_by_position": {kind.value: [round(a, 3) for a in policy.rates(kind)]
                                            for kind in policy.accept},
                 "step_cost_ms": [round(policy.cost(k) * 1000, 3) for k in range(policy.k_max + 1)]}

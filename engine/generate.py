@@ -88,6 +88,7 @@ class Engine:
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
+        self.model_dir: Path | None = None  # where it was loaded from, if from files
         self._masks: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -95,6 +96,7 @@ class Engine:
              dtype: torch.dtype = torch.float32, **kw: int) -> Engine:
         model = load_model(model_dir, device=device, dtype=dtype)
         engine = cls(model, Tokenizer.from_dir(model_dir), **kw)
+        engine.model_dir = Path(model_dir)
         engine.calibrate()
         return engine
 

@@ -14,8 +14,9 @@ calibration table of draft probability against outcome, kept from verified steps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
+from typing import Any
 
 CONFIDENCE_BINS = 10
 
@@ -160,6 +161,36 @@ class KPolicy:
             self._plan = (accept, unit)
         return self._plan
 
+    def learned(self) -> dict[str, Any]:
+        """What the policy has learned about the model (acceptance per kind and position, and
+        the calibration of draft probabilities), for a later start with the same model to
+        begin from; the step costs are the machine's, measured at every load."""
+        def pairs(table: list[tuple[float, float]]) -> list[list[float]]:
+            return [[h, n] for h, n in table]
+
+        return {"version": 1, "k_max": self.k_max,
+                "accept": {kind.value: pairs(table) for kind, table in self.accept.items()},
+                "calibration": pairs(self.calibration),
+                "calibration_at": [pairs(table) for table in self.calibration_at]}
+
+    def start_from(self, learned: Mapping[str, Any]) -> None:
+        """Take over what `learned()` gave in an earlier run. A policy with another k_max takes
+        the positions both have. ValueError, and nothing changed, for anything malformed."""
+        if not isinstance(learned, Mapping) or learned.get("version") != 1:
+            raise ValueError("not a K-policy state of version 1")
+        n = min(self.k_max, _int(learned.get("k_max")))
+        accept = {kind: _pairs(learned.get("accept", {}).get(kind.value), n) for kind in TextKind}
+        calibration = _pairs(learned.get("calibration"), CONFIDENCE_BINS, exact=True)
+        at = learned.get("calibration_at")
+        if not isinstance(at, list) or len(at) < n:
+            raise ValueError("calibration_at: need a table per draft position")
+        calibration_at = [_pairs(table, CONFIDENCE_BINS, exact=True) for table in at[:n]]
+        for kind in TextKind:
+            self.accept[kind][:n] = accept[kind]
+        self.calibration = calibration
+        self.calibration_at[:n] = calibration_at
+        self._plan = None
+
     def expected_tokens(self, kind: TextKind, k: int) -> float:
         total, run = 1.0, 1.0
         for a in self.rates(kind)[:k]:
@@ -239,6 +270,28 @@ class KPolicy:
             self._probe_gap = min(self._probe_gap * 2, 16 * self.probe_every) if failed \
                 else self.probe_every
             self._probe = None
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"k_max: need a count, got {value!r}")
+    return value
+
+
+def _pairs(table: object, n: int, *, exact: bool = False) -> list[tuple[float, float]]:
+    """The first n (accepted, observed) pairs of a saved table, checked."""
+    if not isinstance(table, list) or len(table) < n or (exact and len(table) != n):
+        raise ValueError(f"need a table of {n} (accepted, observed) pairs")
+    out = []
+    for pair in table[:n]:
+        if (not isinstance(pair, list) or len(pair) != 2
+                or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in pair)):
+            raise ValueError(f"not an (accepted, observed) pair: {pair!r}")
+        hits, seen = float(pair[0]), float(pair[1])
+        if not 0 <= hits <= seen + 1e-6 or seen > 1e9:
+            raise ValueError(f"not an (accepted, observed) pair: {pair!r}")
+        out.append((hits, seen))
+    return out
 
 
 def _bin(confidence: float) -> int:

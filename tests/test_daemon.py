@@ -375,6 +375,44 @@ async def test_idle_exit_saves_stats_and_removes_the_socket(trained_dir: Path,
     assert "idle" in (st / "daemon.log").read_text()
 
 
+async def test_what_the_k_policy_learned_survives_a_restart(trained_dir: Path,
+                                                          env: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(trained_dir, model)
+    args = ["--model", str(model), "--k-max", "4", "--max-seq-len", "512", "--no-watch",
+            "--threads", "1"]
+    client = Client(serve_args=args)
+    welcome = await client.connect()
+    status = await client.status()
+    assert status["policy_restored"] is False  # nothing learned yet
+    assert status["model_threads"] == 1
+    for i in range(6):  # adaptive K: the policy learns acceptance from these steps
+        await client.run(p.Generate(id=i, prompt=PROMPT, max_tokens=24))
+    learned = (await client.status())["acceptance_by_position"]
+    await client.shutdown()
+    assert await asyncio.to_thread(wait_exit, welcome.pid, TIMEOUT)
+    saved = list((Path(env["AHEAD_STATE_DIR"]) / "policy").glob("*.json"))
+    assert len(saved) == 1
+
+    # The next daemon for this model starts where the last one stopped.
+    welcome = await client.connect()
+    status = await client.status()
+    assert status["policy_restored"] is True
+    assert status["acceptance_by_position"] == learned
+    await client.shutdown()
+    assert await asyncio.to_thread(wait_exit, welcome.pid, TIMEOUT)
+
+    # A changed checkpoint is another model: it starts afresh.
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    welcome = await client.connect()
+    assert (await client.status())["policy_restored"] is False
+    await client.shutdown()
+    assert await asyncio.to_thread(wait_exit, welcome.pid, TIMEOUT)
+    await client.close()
+
+
 async def test_sigterm_ends_in_flight_work_and_exits(trained_dir: Path,
                                                      env: dict[str, str]) -> None:
     client = Client(serve_args=["--model", str(trained_dir), "--k-max", "2",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from typing import Any
 
 import pytest
 
@@ -154,6 +156,40 @@ def test_the_chain_stops_where_no_longer_chain_pays() -> None:
                 pytest.fail(f"draft {k}: the chain disagrees with the longer chains' gains")
             if max(gains) <= 0:
                 break
+
+
+def test_what_was_learned_carries_over_to_a_new_policy() -> None:
+    policy = trained(0.8)
+    for _ in range(50):
+        policy.observe(TextKind.COMMENT, 8, 2, confidences=[0.9, 0.6, 0.3])
+    fresh = KPolicy(8, COSTS)
+    fresh.start_from(json.loads(json.dumps(policy.learned())))  # as saved to a file
+    for kind in TextKind:
+        assert fresh.rates(kind) == pytest.approx(policy.rates(kind), abs=1e-3)
+    assert fresh.accept_given(0.3, 2) == pytest.approx(policy.accept_given(0.3, 2), abs=1e-3)
+    shorter = KPolicy(4, COSTS[:5])  # fewer draft positions: takes those it has
+    shorter.start_from(policy.learned())
+    assert shorter.rates(TextKind.CODE) == pytest.approx(policy.rates(TextKind.CODE)[:4],
+                                                         abs=1e-3)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: s.update(version=2),
+    lambda s: s.update(k_max=-1),
+    lambda s: s["accept"].update(code=[[1.0, 0.5]] * 8),  # more accepted than observed
+    lambda s: s["accept"].pop("string"),
+    lambda s: s.update(calibration=s["calibration"][:3]),
+    lambda s: s["calibration_at"][0].__setitem__(0, ["x", 1]),
+    lambda s: s["calibration_at"][1].__setitem__(0, [float("nan"), 1.0]),
+])
+def test_a_damaged_state_is_refused_and_changes_nothing(damage: Any) -> None:
+    state = trained(0.8).learned()
+    damage(state)
+    fresh = KPolicy(8, COSTS)
+    before = fresh.learned()
+    with pytest.raises(ValueError):
+        fresh.start_from(state)
+    assert fresh.learned() == before
 
 
 def test_the_chain_goes_on_while_drafts_look_good_and_stops_at_a_doubtful_one() -> None:
