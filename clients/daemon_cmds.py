@@ -33,12 +33,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         handlers.append(logging.StreamHandler())
     logging.basicConfig(level=logging.INFO, handlers=handlers,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _set_threads(args.threads if args.threads is not None else load_settings().threads)
+    cfg = load_settings()
+    _set_threads(cfg.threads if args.threads is None else args.threads)
     engine = load_engine(args)
     def loader(path: Any) -> Any:  # the same flags, another model directory
         return load_engine(argparse.Namespace(**{**vars(args), "model": str(path)}))
 
-    idle = load_settings().idle_timeout if args.idle_timeout is None else args.idle_timeout
+    idle = cfg.idle_timeout if args.idle_timeout is None else args.idle_timeout
     server = Server(engine, paths.socket_path(), lock, model_name=str(model_dir(args)),
                     idle_timeout=idle, stats_path=paths.state_dir() / "stats.json",
                     loader=loader, watch_debounce_ms=None if args.no_watch else 1500,

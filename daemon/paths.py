@@ -44,3 +44,10 @@ def socket_path() -> Path:
 
 def lock_path() -> Path:
     return runtime_dir() / "daemon.lock"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one step: a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
+from daemon.paths import write_atomic
 from engine.generate import Engine
 
 log = logging.getLogger("ahead.daemon")
@@ -53,6 +53,4 @@ def save(engine: Engine, state_dir: Path) -> None:
         return
     path = policy_file(state_dir, engine.model_dir)
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(engine.policy.learned()) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(engine.policy.learned()) + "\n")

@@ -8,11 +8,12 @@ recent requests only.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections import Counter, deque
 from pathlib import Path
 from typing import Any
+
+from daemon.paths import write_atomic
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -54,11 +55,8 @@ class Stats:
 
     def save(self, counts: dict[str, int]) -> None:
         """Write the snapshot atomically (a reader never sees half a file)."""
-        if self.path is None:
-            return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.snapshot(counts), indent=2) + "\n")
-        os.replace(tmp, self.path)
+        if self.path is not None:
+            write_atomic(self.path, json.dumps(self.snapshot(counts), indent=2) + "\n")
 
 
 def _load(path: Path | None) -> dict[str, Any]:

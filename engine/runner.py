@@ -202,8 +202,9 @@ def _rows(caches: list[list[LayerKV]], masks: list[Tensor]) -> list[RowsKV]:
 def _pick(samplers: Sequence[Sampler], logits: Tensor,
           confident: bool = False) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
     """One token per row of logits [B, V] with each row's sampler; what it was drawn from;
-    and, when `confident` and every row is greedy, each token's probability [B] (the
-    softmax's top, one op more than an argmax: a draft chain asks for it at every draft)."""
+    and, when `confident`, each token's probability [B] under its row's distribution (for
+    greedy rows the softmax's top, one op more than an argmax: a draft chain asks for it at
+    every draft)."""
     if all(s.greedy for s in samplers):
         if confident:
             top, tok = torch.softmax(logits.float(), -1).max(-1)
