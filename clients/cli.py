@@ -20,16 +20,16 @@ EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from engine.bench import bench_engine, cursor_prompts, format_report, heldout_loss
-    from engine.corpus import heldout_stdlib_files
+    from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
+    from training.corpus import heldout_stdlib_files
 
     engine = load_engine(args)
     files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"prompt file {missing[0]} does not exist")
-    room = engine.max_seq_len - args.max_new_tokens - engine.k_max - 2
-    prompts = cursor_prompts(engine, files, args.num_prompts, args.seed, max_tokens=room)
+    prompts = cursor_prompts(engine, files, args.num_prompts, args.seed,
+                             max_new_tokens=args.max_new_tokens)
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
 
     def progress(done: int, total: int) -> None:
@@ -51,8 +51,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     import asyncio
 
-    from clients.bench_pipeline import bench_pipeline, format_report
-    from engine.corpus import heldout_stdlib_files
+    from clients.bench.pipeline import bench_pipeline, format_report
+    from training.corpus import heldout_stdlib_files
 
     files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
@@ -85,8 +85,8 @@ def cmd_lsp(args: argparse.Namespace) -> int:
 def cmd_bench_lsp(args: argparse.Namespace) -> int:
     import asyncio
 
-    from clients.bench_lsp import bench_lsp, format_report
-    from engine.corpus import heldout_stdlib_files
+    from clients.bench.lsp import bench_lsp, format_report
+    from training.corpus import heldout_stdlib_files
 
     file = Path(args.file) if args.file else heldout_stdlib_files()[0]
     if not file.is_file():
@@ -105,7 +105,7 @@ def cmd_docstrings(args: argparse.Namespace) -> int:
 
 
 def cmd_new_model(args: argparse.Namespace) -> int:
-    from engine.synthetic import write_checkpoint
+    from training.synthetic import write_checkpoint
 
     path = Path(args.dir)
     if path.exists() and any(path.iterdir()) and not args.force:
@@ -130,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.heads_only:
         return _train_heads(args)
     from engine.bundled import install_bundled
-    from engine.train import TrainConfig, train
+    from training.train import TrainConfig, train
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(out=args.out, preset=args.preset, steps=args.steps,
@@ -147,7 +147,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_heads(args: argparse.Namespace) -> int:
-    from engine.heads import corpus_batches, heads_for
+    from training.heads import corpus_batches, heads_for
 
     target = model_dir(args)
     batches = corpus_batches(target, args.batch_size, args.seq_len, args.seed)

@@ -35,7 +35,7 @@ def model_dir(args: argparse.Namespace) -> Path:
 def load_engine(args: argparse.Namespace) -> Any:
     import torch
 
-    from engine.generate import Engine
+    from engine import Engine
 
     cfg = settings()  # flags win over the config file and AHEAD_* variables
     device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -126,15 +126,12 @@ def run(files: list[str], make_completer: Callable[[], Completer], *, check: boo
 
 def engine_completer(engine: Any, max_tokens: int) -> Completer:
     """Completions from an engine in this process, prompted as the daemon prompts."""
-    from engine.generate import GenParams
-    from engine.prompt import completion_prompt
-
-    params = GenParams(max_new_tokens=max_tokens, stop=(QUOTES,))
-    budget = engine.max_seq_len - max_tokens - engine.k_max - 4
+    from engine import GenParams
 
     def complete(document: str, prefix: str, suffix: str) -> str:
-        ids = completion_prompt(engine.tokenizer, prefix, suffix, max_tokens=budget)
-        return str(engine.generate(ids, params, slot="docstrings").text)
+        prompt = engine.fill_in_prompt(prefix, suffix, max_new_tokens=max_tokens)
+        params = GenParams(max_new_tokens=max_tokens, stop=(QUOTES,), forced=prompt.forced)
+        return str(engine.generate(prompt.ids, params, slot="docstrings").text)
 
     return complete
 

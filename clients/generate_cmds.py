@@ -45,14 +45,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate_here(args: argparse.Namespace, prompt: str,
                    emit: Any) -> tuple[str, str | None, dict[str, Any]]:
-    from engine.generate import GenParams
+    from engine import GenParams
 
     engine = load_engine(args)
+    built = engine.text_prompt(prompt)
     params = GenParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                        top_p=args.top_p, stop=tuple(args.stop), seed=args.seed, k=args.k,
-                       speculative=not args.no_spec)
-    ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(prompt)]
-    gen = engine.generate(ids, params, on_step=lambda s: emit(s.text) if emit else None)
+                       speculative=not args.no_spec, forced=built.forced)
+    gen = engine.generate(built.ids, params, on_step=lambda s: emit(s.text) if emit else None)
     s = gen.stats
     decoded = max(len(gen.tokens) - 1, 0)
     return gen.text, gen.finish_reason, {
@@ -138,16 +138,13 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 
 def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline: bool) -> str:
-    from engine.generate import GenParams
-    from engine.prompt import completion_prompt, heal
+    from engine import GenParams
 
     engine = load_engine(args)
-    budget = engine.max_seq_len - args.max_tokens - engine.k_max - 4
-    prefix, forced = heal(prefix)
-    ids = completion_prompt(engine.tokenizer, prefix, suffix, max_tokens=budget)
+    prompt = engine.fill_in_prompt(prefix, suffix, max_new_tokens=args.max_tokens)
     params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",),
-                       forced=forced)
-    return str(engine.generate(ids, params).text)
+                       forced=prompt.forced)
+    return str(engine.generate(prompt.ids, params).text)
 
 
 def _complete_daemon(args: argparse.Namespace, path: Path, prefix: str, suffix: str,

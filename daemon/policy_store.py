@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 
 from daemon.paths import write_atomic
-from engine.generate import Engine
+from engine import Engine
 
 log = logging.getLogger("ahead.daemon")
 

@@ -12,7 +12,7 @@ import watchfiles
 
 from daemon.config import ConfigFileError, load_settings
 from daemon.scheduler import Scheduler
-from engine.generate import Engine
+from engine import Engine
 
 log = logging.getLogger("ahead.daemon")
 

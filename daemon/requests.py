@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from daemon import protocol as p
 from daemon.scheduler import PRIORITIES, Job, Scheduler
-from engine.generate import Engine, Generation, GenParams
-from engine.prompt import completion_prompt, heal
+from engine import Engine, Generation, GenParams
 
 _OVERLAP = 4096  # characters of the earlier prefix's end that must match
 Send = Callable[[p.Reply], None]  # thread-safe: hands a frame to the connection's writer
@@ -108,11 +107,12 @@ class Requests:
 
     def generate(self, req: p.Generate, listener: Listener) -> Job:
         def make(engine: Engine) -> Generation:
-            ids = [*engine.tokenizer.bos_ids, *engine.tokenizer.encode_text(req.prompt)]
+            prompt = engine.text_prompt(req.prompt)
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
                                top_p=req.top_p, stop=tuple(req.stop), k=req.k,
-                               speculative=req.speculative, seed=req.seed)
-            return engine.start(ids, params, slot="generate")
+                               speculative=req.speculative, seed=req.seed,
+                               forced=prompt.forced)
+            return engine.start(prompt.ids, params, slot="generate")
 
         job = Job(make=make, listeners=[listener], priority=PRIORITIES[req.priority],
                   deadline=_deadline(req.budget_ms))
@@ -143,15 +143,12 @@ class Requests:
 
     def _fim_maker(self, req: p.Complete) -> Callable[[Engine], Generation]:
         def make(engine: Engine) -> Generation:
-            budget = engine.max_seq_len - req.max_tokens - engine.k_max - 4
-            extra = [(c.path, c.text) for c in req.extra]
-            prefix, forced = heal(req.prefix)
-            ids = completion_prompt(engine.tokenizer, prefix, req.suffix, max_tokens=budget,
-                                    extra=extra)
+            prompt = engine.fill_in_prompt(req.prefix, req.suffix, max_new_tokens=req.max_tokens,
+                                           extra=[(c.path, c.text) for c in req.extra])
             stop = (*req.stop, *(() if req.multiline else ("\n",)))
             params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
-                               stop=stop, forced=forced)
-            return engine.start(ids, params, slot=(req.session, req.document))
+                               stop=stop, forced=prompt.forced)
+            return engine.start(prompt.ids, params, slot=(req.session, req.document))
 
         return make
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.generate import Engine, Generation, Step
+from engine import Engine, Generation, Step
 
 log = logging.getLogger("ahead.daemon")
 PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}

@@ -28,7 +28,7 @@ from daemon.reload import Loader, Reloader
 from daemon.requests import Listener, Requests
 from daemon.scheduler import Job, Scheduler
 from daemon.stats import Stats
-from engine.generate import Engine
+from engine import Engine
 
 log = logging.getLogger("ahead.daemon")
 
@@ -310,7 +310,6 @@ class Server:
                 "typed_through": self.requests.typed_through}
 
     def status(self) -> dict[str, Any]:
-        policy = self.scheduler.engine.policy
         reloader = self.reloader
         return {"model": self.model_name, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 1),
@@ -321,6 +320,4 @@ class Server:
                 **self.stats.snapshot(self.counts()),
                 "policy_restored": self.policy_restored,
                 "model_threads": torch.get_num_threads(),
-                "acceptance_by_position": {kind.value: [round(a, 3) for a in policy.rates(kind)]
-                                           for kind in policy.accept},
-                "step_cost_ms": [round(policy.cost(k) * 1000, 3) for k in range(policy.k_max + 1)]}
+                **self.scheduler.engine.policy.report()}

@@ -1,4 +1,5 @@
-"""Completion prompts from editor text: FIM with the model's own tokens, cut to a token budget.
+"""The one prompt recipe: token healing, then FIM with the model's own tokens cut to a token
+budget (editor completions and docstrings), or the text as it is (generate).
 
 Clients send generous character windows; the budget is enforced here in tokens, cutting at
 line boundaries: the prefix keeps its last lines, the suffix its first lines, and context
@@ -8,8 +9,30 @@ chunks from other files fill what room is left, most recent first.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    ids: list[int]
+    forced: str = ""  # what the answer must start with (healing); not part of the answer
+
+
+def fill_in(tok: Tokenizer, prefix: str, suffix: str, *, budget: int,
+            extra: Sequence[tuple[str, str]] = ()) -> Prompt:
+    """The prompt for the text between `prefix` and `suffix` (FIM, or the prefix alone for a
+    model without FIM tokens), within `budget` tokens; `extra`: (path, text) context."""
+    prefix, forced = heal(prefix)
+    return Prompt(completion_prompt(tok, prefix, suffix, max_tokens=budget, extra=extra), forced)
+
+
+def continuation(tok: Tokenizer, text: str) -> Prompt:
+    """The prompt that continues `text`, whole (a prompt too long for the context is refused
+    at the prefill, not cut)."""
+    text, forced = heal(text) if text.strip() else (text, "")
+    return Prompt([*tok.bos_ids, *tok.encode_text(text)], forced)
 
 
 def heal(prefix: str) -> tuple[str, str]:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.generate import Engine
-from engine.synthetic import write_checkpoint
+from engine import Engine
+from training.synthetic import write_checkpoint
 
 # Token ids the synthetic chain is trained on (see engine/synthetic.py).
 CHAIN_VOCAB = range(300, 396)

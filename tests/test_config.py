@@ -12,7 +12,7 @@ from daemon.client import Client
 from daemon.config import ConfigFileError, load_settings
 from daemon.instance import InstanceLock
 from daemon.server import Server
-from engine.generate import Engine
+from engine import Engine
 
 
 def test_file_then_environment(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from daemon import protocol as p
 from daemon.client import Client
 from daemon.instance import InstanceLock
 from daemon.server import Server
-from engine.generate import Engine
+from engine import Engine
 
 TIMEOUT = 30
 

@@ -18,7 +18,7 @@ import pytest
 
 from clients import docstrings
 from daemon.client import Client
-from engine.generate import Engine
+from engine import Engine
 
 FAST = ["--max-seq-len", "512", "--k-max", "2"]  # small caches: quick to load and calibrate
 

@@ -9,12 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import generate as generate_module
-from engine import runner as runner_module
-from engine.generate import Engine, GenParams, monotone
-from engine.runner import ContextOverflow
-from engine.synthetic import write_checkpoint
+from engine import ContextOverflow, Engine, GenParams
+from engine.decode.policy import monotone
 from tests.conftest import CHAIN_VOCAB
+from training.synthetic import write_checkpoint
 
 PROMPT = list(CHAIN_VOCAB[:12])
 
@@ -28,7 +26,7 @@ def test_cancel_stops_within_one_step_and_leaves_the_cache_consistent(
     # What comes next is what a fresh engine state would give.
     after = trained_engine.generate(PROMPT[:7], GenParams(max_new_tokens=30))
     assert after.stats.reused_tokens == 6
-    trained_engine.runner.reset()
+    trained_engine.clear_cache()
     assert trained_engine.generate(PROMPT[:7], GenParams(max_new_tokens=30)).tokens == after.tokens
 
 
@@ -48,7 +46,7 @@ def test_context_overflow_is_a_clear_error(trained_engine: Engine) -> None:
 
 
 def test_generation_ends_when_the_context_is_full(trained_engine: Engine) -> None:
-    room = trained_engine.runner.max_seq_len
+    room = trained_engine.max_seq_len
     prompt = (PROMPT * 100)[: room - trained_engine.k_max - 2]
     gen = trained_engine.generate(prompt, GenParams(max_new_tokens=500))
     assert gen.finish_reason == "length"
@@ -108,8 +106,9 @@ def test_batched_generations_equal_solo_ones(model_dir: Path) -> None:
     different K, joining late and ending early) gives each the output it has alone. The
     bundled model, on real code: its output depends on every row's own context."""
     engine = Engine.load(model_dir, max_seq_len=1024, slots=5)
-    sources = [Path(engine_module.__file__).read_text(encoding="utf-8")[:n]
-               for engine_module, n in ((runner_module, 1500), (generate_module, 2600))]
+    fixtures = Path(__file__).parent / "fixtures" / "prompts"  # real code: the engine's own
+    sources = [(fixtures / name).read_text(encoding="utf-8")
+               for name in ("runner.py.txt", "generate.py.txt")]
     cases = [("def fib(n):\n    ", GenParams(max_new_tokens=30)),
              (sources[0], GenParams(max_new_tokens=40, k=4)),
              (sources[1], GenParams(max_new_tokens=25, k=2)),

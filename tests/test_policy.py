@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.policy import DraftChain, KPolicy, TextKind, classify
+from engine.decode.policy import DraftChain, KPolicy, TextKind, classify
 
 COSTS = [1.0 + 0.1 * k for k in range(9)]  # verify cost grows slowly with K, as on a GPU
 

@@ -24,8 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from engine.config import ModelConfig
-from engine.weights import load_model
+from engine.model.config import ModelConfig
+from engine.model.weights import load_model
 
 VOCAB, SEQLEN, ATOL = 300, 40, 1e-4
 BASE: dict[str, Any] = {

@@ -12,10 +12,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.config import ModelConfig
-from engine.model import Transformer
-from engine.runner import Runner, Sampler
-from engine.sampling import accept_sampled, probs_from_logits, sample
+from engine.cache.slots import SlotCache
+from engine.decode.accept import accept_sampled
+from engine.decode.draft import draft
+from engine.decode.prefill import prefill
+from engine.decode.rows import Drafts, Row
+from engine.decode.sampling import Sampler, probs_from_logits, sample
+from engine.decode.verify import verify
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
 
 P_MIN = 1e-3
 
@@ -91,16 +96,17 @@ def exact_continuations(model: Transformer, prompt: list[int], length: int,
 
 def sample_continuations(model: Transformer, prompt: list[int], length: int, k: int,
                          temperature: float, top_p: float, n: int) -> torch.Tensor:
-    runner = Runner(model, max_seq_len=32, k_max=k)
+    slot = SlotCache(model, max_seq_len=32)
     sampler = Sampler(temperature, top_p, seed=1234, device=torch.device("cpu"))
     vocab = model.cfg.vocab_size
     counts = torch.zeros(vocab ** length)
     for _ in range(n):
-        runner.reset()
-        out = [runner.prefill(prompt, sampler)[0]]
+        slot.reset()
+        row = Row(slot, list(prompt), sampler, Drafts.empty(k, torch.device("cpu")))
+        out = [prefill(model, row)[0]]
         while len(out) < length:
-            runner.draft(k, sampler)
-            out += runner.verify(sampler)
+            draft(model, [row], [k])
+            out += verify(model, [row])[0]
         counts[sum(t * vocab ** (length - 1 - j) for j, t in enumerate(out[:length]))] += 1
     return counts
 

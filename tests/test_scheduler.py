@@ -9,7 +9,7 @@ import pytest
 
 from daemon import scheduler as sched
 from daemon.scheduler import PREFILLS_PER_DECODE, PRIORITIES, Job, Scheduler, plan_step
-from engine.generate import Engine, Generation, GenParams
+from engine import Engine, Generation, GenParams
 from tests.conftest import CHAIN_VOCAB
 
 PROMPT = list(CHAIN_VOCAB[:8])

@@ -7,10 +7,13 @@ import random
 import pytest
 import torch
 
-from engine.generate import Engine, GenParams
-from engine.layers import rope_tables
-from engine.model import Transformer
-from engine.runner import Sampler, draft_many
+from engine import Engine, GenParams
+from engine.decode.draft import catch_up, draft
+from engine.decode.prefill import prefill
+from engine.decode.rows import Drafts, Row
+from engine.decode.sampling import Sampler
+from engine.model.layers import rope_tables
+from engine.model.transformer import Transformer
 from tests.conftest import CHAIN_VOCAB
 
 
@@ -108,18 +111,17 @@ def reference_drafts(model: Transformer, seq: list[int], k: int) -> list[int]:
 @pytest.mark.parametrize("which", ["trained", "random"])
 def test_draft_parity_with_fresh_forward(which: str, request) -> None:
     engine: Engine = request.getfixturevalue(f"{which}_engine")
-    runner = engine.runner
     with torch.inference_mode():
         for prompt in chain_prompts(3, seed=5) + text_prompts(engine)[:2]:
             for k in (1, 3, 8):
                 gen = engine.start(prompt, GenParams(max_new_tokens=30, k=k))
                 checked = 0
                 for _ in gen:
-                    if runner.num_drafts == 0:
+                    if gen.drafts.count == 0:
                         continue
-                    seq = [*runner.cached, runner.pending]
-                    got = runner.drafts[:runner.num_drafts].tolist()
-                    assert got == reference_drafts(engine.model, seq, runner.num_drafts)
+                    seq = gen.sequence
+                    got = gen.drafts.made().tolist()
+                    assert got == reference_drafts(engine.model, seq, gen.drafts.count)
                     checked += 1
                 assert checked >= 2
 
@@ -132,7 +134,7 @@ def test_prefix_reuse_gives_the_same_output(trained_engine: Engine) -> None:
     again = trained_engine.generate(longer, GenParams(max_new_tokens=20, k=4))
     # The last common token is run again: its module entry depends on the token after it.
     assert again.stats.reused_tokens == len(base) + 10 - 1
-    trained_engine.runner.reset()
+    trained_engine.clear_cache()
     fresh = trained_engine.generate(longer, GenParams(max_new_tokens=20, k=4))
     assert fresh.stats.reused_tokens == 0
     assert again.tokens == fresh.tokens
@@ -141,14 +143,14 @@ def test_prefix_reuse_gives_the_same_output(trained_engine: Engine) -> None:
     edited = [*base[:5], other, *base[6:]]
     third = trained_engine.generate(edited, GenParams(max_new_tokens=20, k=4))
     assert third.stats.reused_tokens == 4
-    trained_engine.runner.reset()
+    trained_engine.clear_cache()
     assert trained_engine.generate(edited, GenParams(max_new_tokens=20, k=4)).tokens == third.tokens
 
 
 def test_chained_training_sees_what_decoding_sees(random_engine: Engine) -> None:
     """Depth-d logits of the chained training loss at the last row are the logits decoding
     drafts token d from, when the chain's inputs are the drafts themselves."""
-    from engine.chain_loss import chain_logits
+    from training.chain_loss import chain_logits
 
     model = random_engine.model
     with torch.inference_mode():
@@ -163,16 +165,17 @@ def test_chained_training_sees_what_decoding_sees(random_engine: Engine) -> None
 
 def test_a_stopping_rule_cuts_the_drafts_and_sees_each_ones_probability(
         trained_engine: Engine) -> None:
-    """`draft_many` asks a row's rule after each draft, with the module's probability for
+    """`draft` asks a row's rule after each draft, with the module's probability for
     it, and stops that row alone where its rule says; the drafts it keeps are the ones an
     uncut chain makes, and the rows that go on are not disturbed."""
     engine = trained_engine
     greedy = Sampler(0.0, 1.0, None, engine.device)
     prompts = chain_prompts(2, seed=9)
-    runners = [engine.runner_for(("cut", i)) for i in range(2)]
-    for r, prompt in zip(runners, prompts, strict=True):
-        r.reset()
-        r.prefill(prompt, greedy)
+    rows = [Row(engine.slots.get(("cut", i)), list(prompt), greedy,
+                Drafts.empty(engine.k_max, engine.device)) for i, prompt in enumerate(prompts)]
+    for r in rows:
+        r.slot.reset()
+        prefill(engine.model, r)
     seen: list[float] = []
 
     def stop_after_two(p: float) -> bool:
@@ -180,17 +183,17 @@ def test_a_stopping_rule_cuts_the_drafts_and_sees_each_ones_probability(
         return len(seen) < 2
 
     with torch.inference_mode():
-        draft_many(runners, [6, 5], [greedy, greedy], [stop_after_two, None])
-        assert [r.num_drafts for r in runners] == [2, 5]
-        assert runners[0].draft_confidence == seen and len(seen) == 2
+        draft(engine.model, rows, [6, 5], [stop_after_two, None])
+        assert [r.drafts.count for r in rows] == [2, 5]
+        assert rows[0].drafts.confidence == seen and len(seen) == 2
         assert all(0.0 < p <= 1.0 for p in seen)
-        assert runners[1].draft_confidence == []  # no rule: nothing computed
-        for r in runners:
-            seq = [*r.cached, r.pending]
-            assert r.drafts[:r.num_drafts].tolist() == reference_drafts(engine.model, seq,
-                                                                        r.num_drafts)
+        assert rows[1].drafts.confidence == []  # no rule: nothing computed
+        for r in rows:
+            seq = r.seq
+            assert r.drafts.made().tolist() == reference_drafts(engine.model, seq,
+                                                                r.drafts.count)
         # The probability of draft 1 is the module's softmax at the drafted token.
-        out = engine.model.mtp_logits(0, runners[0]._catch_up())[0, -1]
+        out = engine.model.mtp_logits(0, catch_up(engine.model, rows[:1]))[0, -1]
         assert seen[0] == pytest.approx(float(out.softmax(-1).max()), rel=1e-4)
 
 
@@ -200,4 +203,4 @@ def test_adaptive_drafting_is_lossless_and_varies_k(trained_engine: Engine) -> N
         ar = engine.generate(prompt, GenParams(max_new_tokens=40, speculative=False))
         adaptive = engine.generate(prompt, GenParams(max_new_tokens=40))
         assert adaptive.tokens == ar.tokens
-    assert sum(n for _, n in engine.policy.calibration) > 0  # confidences were recorded
+    assert sum(n for _, n in engine.policy.calibration.pooled) > 0  # confidences were recorded

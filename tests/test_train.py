@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 
-from engine.corpus import collect, is_heldout, source_roots
-from engine.generate import Engine, GenParams
-from engine.heads import heads_for, save_heads, with_new_heads
-from engine.synthetic import markov_batch, write_checkpoint
-from engine.train import Batches, TrainConfig, prepare_data, train
-from engine.weights import HEADS_FILE, CheckpointError, load_model
+from engine import Engine, GenParams
+from engine.model.weights import HEADS_FILE, CheckpointError, load_model
 from tests.conftest import CHAIN_VOCAB
+from training.corpus import collect, is_heldout, source_roots
+from training.heads import heads_for, save_heads, with_new_heads
+from training.synthetic import markov_batch, write_checkpoint
+from training.train import Batches, TrainConfig, prepare_data, train
 
 
 def micro(out: Path, steps: int) -> TrainConfig:

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.config import PRESETS, ConfigError, ModelConfig
-from engine.model import Transformer
-from engine.weights import (
+from engine.model.config import PRESETS, ConfigError, ModelConfig
+from engine.model.transformer import Transformer
+from engine.model.weights import (
     CheckpointError,
     detect_mtp_naming,
     load_model,

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.layers import DecoderBlock, apply_rope, rope_tables
-from engine.model import MTPModule, Transformer
+from engine.model.block import DecoderBlock
+from engine.model.layers import apply_rope, rope_tables
+from engine.model.mtp import MTPModule
+from engine.model.transformer import Transformer
 
 
 def _block(block: DecoderBlock, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor],

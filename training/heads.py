@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from engine.chain_loss import chained_distill_loss
-from engine.corpus import collect, source_roots
-from engine.layers import rope_tables
-from engine.model import MTPModule, Transformer
+from engine.model.layers import rope_tables
+from engine.model.mtp import MTPModule
+from engine.model.transformer import Transformer
+from engine.model.weights import HEADS_FILE, load_model, to_checkpoint_name
 from engine.tokenizer import Tokenizer
-from engine.weights import HEADS_FILE, load_model, to_checkpoint_name
+from training.chain_loss import chained_distill_loss
+from training.corpus import collect, source_roots
 
 Batches = Callable[[], torch.Tensor]
 

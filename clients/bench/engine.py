@@ -18,12 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.generate import Engine, Generation, GenParams
-from engine.prompt import completion_prompt, heal
+from engine import Engine, Generation, GenParams
 
 
 @dataclass(slots=True)
-class Prompt:
+class CursorPrompt:
     source: str
     ids: list[int]
     line: str  # the rest of the line at the cursor, as the file has it
@@ -31,11 +30,12 @@ class Prompt:
 
 
 def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
-                   max_tokens: int, prefix_chars: int = 1500, suffix_chars: int = 500,
-                   middle_lines: int = 4) -> list[Prompt]:
+                   max_new_tokens: int, prefix_chars: int = 1500, suffix_chars: int = 500,
+                   middle_lines: int = 4) -> list[CursorPrompt]:
     """FIM prompts as an editor makes them: the cursor at the start of a random non-blank
     line's code, the next `middle_lines` lines taken out (the code to write), the text before
-    and after as prefix and suffix, shortened from the far ends to fit `max_tokens`."""
+    and after as prefix and suffix, shortened from the far ends to leave room for
+    `max_new_tokens`."""
     rng = random.Random(seed)
     texts = []
     for f in files:
@@ -46,7 +46,7 @@ def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
     texts = [(f, t) for f, t in texts if len(t.splitlines()) > middle_lines + 2]
     if not texts:
         raise ValueError(f"no usable prompt files (each needs over {middle_lines + 2} lines)")
-    prompts: list[Prompt] = []
+    prompts: list[CursorPrompt] = []
     while len(prompts) < num:
         f, text = rng.choice(texts)
         lines = text.splitlines(keepends=True)
@@ -57,11 +57,11 @@ def cursor_prompts(engine: Engine, files: list[Path], num: int, seed: int, *,
         cut = line_start + len(lines[i]) - len(lines[i].lstrip())
         resume = line_start + sum(map(len, lines[i:i + middle_lines])) - 1  # keep the "\n"
         # The prompt the daemon would build for an editor sending these windows.
-        prefix, forced = heal(text[max(0, cut - prefix_chars):cut])
-        ids = completion_prompt(engine.tokenizer, prefix, text[resume:resume + suffix_chars],
-                                max_tokens=max_tokens)
+        built = engine.fill_in_prompt(text[max(0, cut - prefix_chars):cut],
+                                      text[resume:resume + suffix_chars],
+                                      max_new_tokens=max_new_tokens)
         line = lines[i][cut - line_start:].rstrip()
-        prompts.append(Prompt(f"{f.name}:{i + 1}", ids, line, forced))
+        prompts.append(CursorPrompt(f"{f.name}:{i + 1}", built.ids, line, built.forced))
     return prompts
 
 
@@ -86,12 +86,12 @@ def heldout_loss(engine: Engine, files: list[Path], windows: int = 16,
     return total / windows
 
 
-def _run(engine: Engine, prompt: Prompt, params: GenParams) -> Generation:
-    engine.runner.reset()  # every mode prefills from scratch
+def _run(engine: Engine, prompt: CursorPrompt, params: GenParams) -> Generation:
+    engine.clear_cache()  # every mode prefills from scratch
     return engine.generate(prompt.ids, params)
 
 
-def bench_engine(engine: Engine, prompts: list[Prompt], *, max_new_tokens: int = 64,
+def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens: int = 64,
                  ks: list[int] | None = None,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     ks = list(range(1, engine.k_max + 1)) if ks is None else ks

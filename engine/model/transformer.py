@@ -1,44 +1,21 @@
-"""The dense decoder trunk with DeepSeek-V3-style MTP modules, sharing embedding and head.
+"""The dense decoder trunk with its MTP modules (`mtp.py`), sharing embedding and head.
 
-An MTP module turns the trunk's hidden state at position t and the embedding of token t+1
-into a hidden state that predicts token t+2:
-    h' = Block(Proj([enorm(emb(x_{t+1})); hnorm(h_t)]))      logits = head(norm(h'))
-MiMo checkpoints concatenate in the other order. Draft k > 1 feeds the previous draft's h'
-(pre-norm for DeepSeek, normed for MiMo and Qwen3-Next: the conventions their servers use).
+Draft k > 1 feeds the previous draft's module output back in (pre-norm for DeepSeek, normed
+for MiMo and Qwen3-Next: the conventions their servers use). `forward` is the cache-free
+full-sequence pass of training and references; decoding calls `trunk`, `mtp_forward`,
+`mtp_logits`, `chain_hidden` and `head` on a slot's caches.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import ModelConfig
-from engine.layers import DecoderBlock, LayerKV, RMSNorm, RowsKV, rope_tables
-
-Rope = tuple[Tensor, Tensor]
-KVs = Sequence[LayerKV] | Sequence[RowsKV]  # per layer: one sequence's, or a batch's
-
-
-class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.mtp_layers_per_module))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hidden_first = cfg.mtp_naming == "mimo"
-
-    def forward(self, h: Tensor, emb: Tensor, rope: Rope, input_pos: Tensor,
-                kvs: KVs | None, mask: Tensor | None) -> Tensor:
-        e, hn = self.enorm(emb), self.hnorm(h)
-        x = self.eh_proj(torch.cat([hn, e] if self.hidden_first else [e, hn], dim=-1))  # [B, S, H]
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope, input_pos, None if kvs is None else kvs[i], mask)
-        return x
+from engine.model.block import DecoderBlock
+from engine.model.config import ModelConfig
+from engine.model.layers import RMSNorm, rope_tables
+from engine.model.mtp import KVs, MTPModule, Rope
 
 
 class TrunkModel(nn.Module):
@@ -59,7 +36,6 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
         self.chain_normed = cfg.mtp_naming in ("mimo", "mtp")
         self.apply(_init_weights)
-
 
     @property
     def num_mtp(self) -> int:

@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.chain_loss import chained_distill_loss
-from engine.config import PRESETS
-from engine.corpus import collect, source_roots, write_manifest
-from engine.losses import lm_losses
-from engine.model import Transformer
+from engine.model.config import PRESETS
+from engine.model.transformer import Transformer
+from engine.model.weights import save_model
 from engine.tokenizer import Tokenizer, save_tokenizer_dir, set_fim_order, train_byte_level_bpe
-from engine.weights import save_model
+from training.chain_loss import chained_distill_loss
+from training.corpus import collect, source_roots, write_manifest
+from training.losses import lm_losses
 
 Log = Callable[[str], None]
 

@@ -1,7 +1,8 @@
-"""Sampling and the speculative acceptance rule, free of host synchronisation.
+"""The speculative acceptance rule, on device: which drafts a verify pass keeps.
 
-Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
-probability p_i / sum(p), on device, for any unnormalised p.
+Notation: the drafts d_1..d_K were drawn from the draft distributions q_1..q_K (the MTP
+modules'); the verify pass gives the target's distributions p_1..p_{K+1}, where p_i is the
+target's distribution for the position of d_i and p_{K+1} the one after the last draft.
 """
 
 from __future__ import annotations
@@ -9,24 +10,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def probs_from_logits(logits: Tensor, temperature: float, top_p: float = 1.0) -> Tensor:
-    """Softmax at `temperature`, restricted to the smallest set with mass >= top_p."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    # Keep a token while the mass before it is < top_p; the top token is always kept.
-    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-    sorted_p = sorted_p * keep
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return probs / probs.sum(-1, keepdim=True)
+from engine.decode.sampling import Sampler, probs_from_logits, sample
 
 
-def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """One index per row of `probs` [..., V] (need not be normalised)."""
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / race).argmax(dim=-1)
+def accept(drafts: Tensor, logits: Tensor, q: Tensor | None,
+           sampler: Sampler) -> tuple[Tensor, Tensor]:
+    """The one rule every verify uses: tokens [K+1] and n, the number of drafts kept.
+
+    drafts [K]; logits [K+1, V] of the verify pass (row i predicts the token after draft i,
+    row 0 the token after the last committed one); q [K, V] the draft distributions (None
+    when greedy). Greedy: keep the longest prefix with d_i = argmax p_i, then the target's
+    own next token. Sampling: speculative sampling, lossless for any q."""
+    if sampler.greedy:
+        return accept_greedy(drafts, logits)
+    p = probs_from_logits(logits, sampler.temperature, sampler.top_p)
+    return accept_sampled(drafts, p, q if q is not None else p[:0], sampler.generator)
 
 
 def accept_greedy(drafts: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:

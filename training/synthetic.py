@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from engine.config import PRESETS, ModelConfig
-from engine.losses import lm_losses
-from engine.model import Transformer
+from engine.model.config import PRESETS, ModelConfig
+from engine.model.transformer import Transformer
+from engine.model.weights import save_model
 from engine.tokenizer import save_tokenizer_dir, train_byte_level_bpe
-from engine.weights import save_model
+from training.losses import lm_losses
 
 
 def stdlib_texts(limit: int = 40) -> list[str]:

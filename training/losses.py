@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.model import Transformer
+from engine.model.transformer import Transformer
 
 
 def lm_losses(model: Transformer, tokens: Tensor, mtp_weight: float = 0.3,

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.model import Transformer
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer
 
 
 class CheckpointError(ValueError):

@@ -1,0 +1,1 @@
+"""`ahead bench`: the engine, the daemon's pipeline and the language server, measured."""

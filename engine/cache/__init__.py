@@ -1,0 +1,1 @@
+"""What a sequence leaves on the device between steps: KV caches, hidden states, slots."""

@@ -1,0 +1,1 @@
+"""Decoding: the prefill, draft and verify steps, sampling and acceptance, and the K policy."""

@@ -1,0 +1,121 @@
+"""The K policy: how many drafts to make, from measured acceptance and measured step cost.
+
+With a_i the chance that draft i is accepted given that drafts < i were, a step of K drafts
+yields E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j tokens and costs c(K) seconds; before drafting,
+the policy picks the K with the highest E(K) / c(K) (drafting at all, then up to k_max),
+and once drafts exist the chain stops where going on no longer pays. The parts, each its own
+module: kinds of text (`kinds`), acceptance estimates (`acceptance`), the calibration of
+draft probabilities (`calibration`), step costs (`costs`), the choice of K with its probes
+(`choice`), the stopping rule (`chain`), and what is kept across restarts (`store`).
+`KPolicy` puts them together and is told what each step did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.decode.policy import store
+from engine.decode.policy.acceptance import Acceptance
+from engine.decode.policy.calibration import Calibration
+from engine.decode.policy.chain import DraftChain, Plan, chain_plan
+from engine.decode.policy.choice import Probes, best_k
+from engine.decode.policy.costs import StepCosts, monotone
+from engine.decode.policy.kinds import TextKind, classify
+
+__all__ = ["DraftChain", "KPolicy", "TextKind", "classify", "monotone"]
+
+
+class KPolicy:
+    def __init__(self, k_max: int, costs: list[float], *, decay: float = 0.05,
+                 prior: float = 0.6, prior_weight: float = 2.0, probe_every: int = 8,
+                 cost_decay: float = 0.05, shape_decay: float = 0.02) -> None:
+        self.k_max = k_max
+        self.costs = StepCosts(k_max, costs, decay=cost_decay, shape_decay=shape_decay)
+        self.acceptance = Acceptance(k_max, decay=decay, prior=prior, prior_weight=prior_weight)
+        self.calibration = Calibration(k_max, prior=prior, prior_weight=prior_weight)
+        self.probes = Probes(probe_every)
+        self.plan_every = 8  # observed steps between refreshes of the draft chain's tables
+        self._plan: Plan | None = None
+        self._plan_at = self._observed = 0
+        self.rate = 1.0 / self.cost(0)  # tokens per second expected at the last best K
+
+    # Choosing K
+
+    def best(self, kind: TextKind) -> int:
+        """argmax_K E(K) / c(K) for this kind of text; remembers that rate as the run's."""
+        k, self.rate = best_k(self.acceptance.rates(kind), self.cost)
+        return k
+
+    def choose(self, kind: TextKind) -> int:
+        """The best K, but now and then one more (`probing` says so)."""
+        return self.probes.choose(self.best(kind), self.k_max)
+
+    @property
+    def probing(self) -> bool:
+        return self.probes.probing
+
+    def chain(self, floor: int = 1) -> DraftChain:
+        return DraftChain(self, floor)
+
+    def chain_plan(self) -> Plan:
+        """The draft chain's tables, refreshed every `plan_every` observed steps (they move
+        slowly, and a chain is made every step)."""
+        if self._plan is None or self._observed - self._plan_at >= self.plan_every:
+            self._plan_at = self._observed
+            self._plan = chain_plan(self.calibration, self.costs.curve)
+        return self._plan
+
+    # What a step did
+
+    def observe(self, kind: TextKind, k: int, accepted: int, seconds: float | None = None,
+                confidences: Sequence[float] = ()) -> None:
+        """A step verified k drafts and accepted `accepted` of them; `seconds`: what it took,
+        when it ran alone; `confidences`: the module's probability for each draft, if known."""
+        self._observed += 1
+        self.acceptance.observe(kind, k, accepted)
+        self.calibration.observe(k, accepted, tuple(confidences))
+        if seconds is not None:
+            self.costs.observe(k, seconds)
+        self.probes.observe(k, accepted)
+
+    def set_costs(self, costs: list[float]) -> None:
+        """Measured seconds per step for each K: the cost curve to start from."""
+        self.costs.set(costs)
+        self._plan = None
+
+    # Reading it
+
+    def cost(self, k: int) -> float:
+        return self.costs.cost(k)
+
+    @property
+    def scale(self) -> float:
+        return self.costs.scale
+
+    def rates(self, kind: TextKind | None = None) -> list[float]:
+        return self.acceptance.rates(kind)
+
+    def expected_tokens(self, kind: TextKind, k: int) -> float:
+        return self.acceptance.expected_tokens(kind, k)
+
+    def accept_given(self, confidence: float, position: int | None = None) -> float:
+        return self.calibration.accept_given(confidence, position)
+
+    def mean_acceptance(self, position: int | None = None) -> float:
+        return self.calibration.mean_acceptance(position)
+
+    def report(self) -> dict[str, Any]:
+        """Acceptance per kind and position, and the step costs now, for `ahead status`."""
+        return {"acceptance_by_position": {kind.value: [round(a, 3) for a in self.rates(kind)]
+                                           for kind in TextKind},
+                "step_cost_ms": [round(self.cost(k) * 1000, 3) for k in range(self.k_max + 1)]}
+
+    # Across restarts
+
+    def learned(self) -> dict[str, Any]:
+        return store.learned(self.acceptance, self.calibration)
+
+    def start_from(self, state: Mapping[str, Any]) -> None:
+        store.start_from(self.acceptance, self.calibration, state)
+        self._plan = None

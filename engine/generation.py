@@ -1,0 +1,185 @@
+"""One generation: its parameters, its tokens, its text as it streams, stops and statistics.
+
+`Engine.start()` returns a `Generation`, an iterator whose every `next()` runs one step (the
+prefill, then one verify+draft step) and returns what it committed. A caller cancels by not
+asking for the next step: the cache is consistent after every step. The generation owns its
+sequence (the prompt, then every token the steps commit, the last one not yet run) and its
+drafts; the engine's steps extend them, and tell it what each step committed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.decode.policy import TextKind, classify
+from engine.decode.rows import Drafts
+from engine.decode.sampling import Sampler
+from engine.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass(slots=True)
+class GenParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_ids: frozenset[int] = frozenset()  # in addition to the model's end tokens
+    seed: int | None = None
+    k: int | None = None  # None: adaptive; an int: that many drafts every step
+    speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
+    forced: str = ""  # the output must start with this text, which is not returned (healing)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k is not None and self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+
+
+@dataclass(slots=True)
+class Step:
+    tokens: list[int]  # committed this step, after stop handling
+    text: str  # new complete text
+    k: int  # drafts verified (0 for the prefill and autoregressive steps)
+    accepted: int
+
+
+@dataclass(slots=True)
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    k_hist: Counter[int] = field(default_factory=Counter)
+    accepted_by_pos: list[int] = field(default_factory=list)  # drafts accepted at position i
+    verified_by_pos: list[int] = field(default_factory=list)  # drafts reached at position i
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    resumed: int = 0  # times the cache was rebuilt after another generation ran
+
+    def record(self, k: int, accepted: int, seconds: float) -> None:
+        self.steps += 1
+        self.drafted += k
+        self.accepted += accepted
+        self.k_hist[k] += 1
+        self.decode_s += seconds
+        while len(self.verified_by_pos) < k:
+            self.verified_by_pos.append(0)
+            self.accepted_by_pos.append(0)
+        for i in range(min(accepted + 1, k)):
+            self.verified_by_pos[i] += 1
+            self.accepted_by_pos[i] += i < accepted
+
+
+class Host(Protocol):
+    """What a generation needs of the engine that runs it (an `Engine`)."""
+
+    k_max: int
+    device: torch.device
+    tokenizer: Tokenizer
+    stop_ids: frozenset[int]
+
+    def step(self, gens: Sequence[Generation]) -> list[Step | None]: ...
+
+
+class Generation(Iterator[Step]):
+    def __init__(self, engine: Host, prompt: list[int], params: GenParams,
+                 slot: object = None) -> None:
+        self.prompt, self.params, self.slot = list(prompt), params, slot
+        self.sampler = Sampler(params.temperature, params.top_p, params.seed, engine.device)
+        self.use_mtp = params.speculative and engine.k_max > 0
+        self.sequence = list(prompt)  # then every committed token; the last is next to run
+        self.drafts = Drafts.empty(engine.k_max, engine.device)
+        self.tokens: list[int] = []  # the output, up to a stop
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self.kind = TextKind.CODE  # of the text being written: acceptance differs by kind
+        self._engine = engine
+        self._decoder = StreamDecoder(engine.tokenizer)
+        self._stop_ids = engine.stop_ids | params.stop_ids
+        self._tail = engine.tokenizer.decode(prompt[-64:])  # recent text, for the kind of text
+        self._held = ""  # text that may begin a stop string, not yet returned
+        self._unforced = params.forced  # forced text not yet removed from the output
+
+    def __next__(self) -> Step:
+        step = self._engine.step([self])[0]
+        if step is None:
+            raise StopIteration
+        return step
+
+    @property
+    def started(self) -> bool:
+        """Whether the prefill has committed the first token."""
+        return len(self.sequence) > len(self.prompt)
+
+    def tokens_left(self) -> int:
+        return self.params.max_new_tokens - len(self.tokens)
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+
+    def prefilled(self, reused: int, seconds: float) -> Step:
+        """The prefill appended the first token to the sequence."""
+        self.stats.reused_tokens, self.stats.prefill_s = reused, seconds
+        return self._commit(self.sequence[-1:], k=0, accepted=0)
+
+    def verified(self, new: list[int], k: int, seconds: float) -> Step:
+        """A verify of k drafts appended `new` to the sequence (the accepted drafts, then one
+        of the target's own); `seconds`: the step's cost (drafts, verify, commit)."""
+        step = self._commit(new, k=k, accepted=len(new) - 1)
+        self.stats.record(k, len(new) - 1, seconds)
+        return step
+
+    def resumed(self) -> None:
+        """Its slot's cache was rebuilt: another generation had run in it."""
+        self.stats.resumed += 1
+
+    def _commit(self, new: list[int], *, k: int, accepted: int) -> Step:
+        """Take tokens up to a stop token or the token limit, then apply stop strings."""
+        kept: list[int] = []
+        for tok in new:
+            if tok in self._stop_ids:
+                self.finish("stop")
+                break
+            kept.append(tok)
+            if len(self.tokens) + len(kept) >= self.params.max_new_tokens:
+                self.finish("length")
+                break
+        self.tokens.extend(kept)
+        text = self._decoder.push_many(kept)
+        if self.finish_reason is not None:
+            text += self._decoder.flush()
+        if self._unforced:  # drop the forced text from the front of the output, once
+            n = next((i for i, (a, b) in enumerate(zip(text, self._unforced, strict=False))
+                      if a != b),
+                     min(len(text), len(self._unforced)))
+            text, self._unforced = text[n:], self._unforced[n:]
+        text = self._apply_stop_strings(text)
+        self.text += text
+        self._tail = (self._tail + text)[-256:]
+        self.kind = classify(self._tail)
+        return Step(kept, text, k, accepted)
+
+    def _apply_stop_strings(self, text: str) -> str:
+        """Cut at the first stop string; hold back a tail that may be the start of one."""
+        stops = self.params.stop
+        if not stops:
+            return text
+        buf, self._held = self._held + text, ""
+        hits = [i for s in stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self.finish("stop")
+            return buf[:min(hits)]
+        if self.finish_reason is not None:
+            return buf
+        hold = max((j for s in stops for j in range(1, len(s)) if buf.endswith(s[:j])), default=0)
+        self._held = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold]

@@ -1,0 +1,1 @@
+"""The model: config.json, checkpoint files, and the decoder trunk with its MTP modules."""

@@ -1,0 +1,120 @@
+"""The dense decoder's small parts: RMSNorm, the SwiGLU MLP and rotary position embeddings.
+
+Parameter names follow Hugging Face's Llama/Qwen modules so that trunk checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, scale in the input dtype: the order HF uses, so bf16 matches too.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [D/2], with the config's scaling (linear, llama3 or yarn)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_freq(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_freq(inv_freq, scaling, cfg)
+    return inv_freq.float()
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN scales cos/sin (and so the logits) by a temperature; other kinds by 1."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _llama3_freq(inv_freq: Tensor, s: dict) -> Tensor:
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated, short ones kept, the band between blended smoothly.
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, out)
+
+
+def _yarn_freq(inv_freq: Tensor, s: dict, cfg: ModelConfig) -> Tensor:
+    dim, base, factor = cfg.head_dim, cfg.rope_theta, float(s["factor"])
+    orig_len = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 where the frequency is kept as trained
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def rope_tables(cfg: ModelConfig, max_seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, D] in the half-split layout HF uses (rotate_half)."""
+    t = torch.arange(max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(t, rope_inv_freq(cfg))  # [T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+    scale = rope_attention_factor(cfg)
+    return ((emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [B, S, H, D]; cos/sin [S, D] for the tokens' positions, or [B, S, D] per row
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
