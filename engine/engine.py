@@ -3,46 +3,84 @@ batch of generations.
 
 A slot is kept per key, such as an editor's document, so that each keeps its prefix cached
 while others run; the least recently used slot is recycled when all are taken. `step()` runs
-one step of several generations in different slots as one batch: one trunk forward verifies
-every row's drafts, one module forward per draft position drafts for every row. Eager on
-every device today (see `decode/verify.py` for what a CUDA graph would need).
+one step of several generations in different slots as one batch (`decode/step.py`): one
+trunk forward verifies every row's drafts, the modules catch up and draft for every row,
+and the host reads the result once.
 """
 
 from __future__ import annotations
 
-import statistics
+import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine import prompt as recipe
-from engine.cache.slots import SlotCache, SlotTable
-from engine.decode.draft import catch_up, draft
-from engine.decode.policy import DraftChain, KPolicy, monotone
-from engine.decode.prefill import prefill, restore
-from engine.decode.rows import Drafts, Row
-from engine.decode.sampling import Sampler
-from engine.decode.verify import verify
+from engine.cache.kv import span_of
+from engine.cache.slots import Caches, Slot, SlotTable
+from engine.decode.costs import measure_costs
+from engine.decode.draft import catch_up, draft_chain
+from engine.decode.policy import KPolicy
+from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
+from engine.decode.sampling import RowSampling
+from engine.decode.state import DecodeState
+from engine.decode.step import EAGER, Shape, decode_step, unpack
+from engine.exec.compile import compiled_fns
+from engine.exec.graphs import StepGraphs
+from engine.exec.invariance import Invariance, probe
 from engine.generation import Generation, GenParams, Step
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
 
+log = logging.getLogger("ahead.engine")
 PROMPT_SPARE = 4  # tokens a prompt leaves beyond the answer and a verify pass: markers, slack
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_seq_len: int = 4096,
-                 k_max: int = 8, slots: int = 4) -> None:
+                 k_max: int = 8, slots: int = 4, compile: bool | None = None,
+                 graphs: bool | None = None, exact: bool | None = None,
+                 fixed_shapes: bool | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
-        self.slots = SlotTable(lambda: SlotCache(model, self.max_seq_len), slots)
-        self.max_slots = slots
-        self.k_max = k_max if model.num_mtp else 0
+        model.fuse()
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
+        self.max_slots = slots
+        self.slots = SlotTable(slots, self.max_seq_len)
+        self.k_max = k_max if model.num_mtp else 0
+        self.width = self.k_max + 1  # the widest verify
+        # How steps are shaped so that every row gets the bits its plain decoding gets (see
+        # exec/invariance.py): the safe choice until `calibrate()` measures the device.
+        self.invariance = Invariance(self.width, batch_invariant=False, key_invariant=False)
+        # Whether to pay for it where it costs: on the CPU in fp32 a one-row matmul rounds
+        # unlike a many-row one, and verifying 4 rows for every plain step makes plain
+        # decoding about 30% slower; there, by default, speed wins and speculative output
+        # may differ from plain decoding at near-ties (a few in a thousand prompts).
+        self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
+            if exact is None else exact
+        # One slot more than asked for: padding rows run in it (see `_padded`).
+        self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1)
+        self.state = DecodeState(slots + 1, self.k_max, model.cfg.vocab_size, self.device)
+        self._pad_slot = slots
+        # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA;
+        # compiled and captured steps run one shape: see exec/compile.py).
+        cuda = self.device.type == "cuda"
+        self.graphs = cuda if graphs is None else graphs
+        if self.graphs and not cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.compiled = cuda if compile is None else compile
+        # One step shape (widest verify, all slots, whole cache): what graphs and compiled
+        # steps need; eager steps take the narrowest that keeps rows exact.
+        self.static = self.graphs or self.compiled if fixed_shapes is None else fixed_shapes
+        self.fns = compiled_fns() if self.compiled else EAGER
+        self.early_exit = not self.static  # see decode/draft.py
+        self._graphed = (StepGraphs(self._call_step, self.state, slots, slots)
+                         if self.graphs else None)
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
@@ -51,9 +89,12 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
-             dtype: torch.dtype = torch.float32, **kw: int) -> Engine:
+             dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
+             slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
+             exact: bool | None = None) -> Engine:
         model = load_model(model_dir, device=device, dtype=dtype)
-        engine = cls(model, Tokenizer.from_dir(model_dir), **kw)
+        engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
+                     k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact)
         engine.model_dir = Path(model_dir)
         engine.calibrate()
         return engine
@@ -113,134 +154,239 @@ class Engine:
         """Forget what the slot's cache holds: its next prompt runs from scratch."""
         self.slots.get(slot).reset()
 
+    @property
+    def captured(self) -> int:
+        """CUDA graphs captured so far (one per step shape used)."""
+        return 0 if self._graphed is None else len(self._graphed)
+
+    def drafts(self, slot: Hashable = None) -> list[int]:
+        """The drafts waiting in the slot for its holder's next verify."""
+        return list(self.slots.get(slot).drafts)
+
     def step(self, gens: Sequence[Generation]) -> list[Step | None]:
-        """One step of each generation (None for one that has ended); the verify and draft
-        steps of those past their prefill run as one batch. Each must have its own slot."""
+        """One step of each generation (None for one that has ended): the prefills of those
+        not started, as one pass, then one verify+draft step of the others, as one batch.
+        Each must have its own slot."""
         if len({g.slot for g in gens}) < len(gens) or len(gens) > self.max_slots:
             raise ValueError(f"a batch needs distinct slots, at most {self.max_slots}")
         steps: list[Step | None] = [None] * len(gens)
-        batch = []
-        for i, g in enumerate(gens):
-            if g.finish_reason is not None:
-                continue
-            if not g.started:
-                steps[i] = self._prefill(g)
-            elif self._resume(g):
-                batch.append(i)
-        if not batch:
-            return steps
-        rows = [self._row(gens[i]) for i in batch]
-        ks = [r.drafts.count for r in rows]
-        kinds = [gens[i].kind for i in batch]  # the drafts were made in this kind of text
-        t0 = time.perf_counter()
-        news = verify(self.model, rows)
-        seconds = time.perf_counter() - t0
-        alone = len(batch) == 1  # only a step run alone tells the policy what its K costs
-        for i, row, new, k, kind in zip(batch, rows, news, ks, kinds, strict=True):
-            g, cost = gens[i], seconds + row.drafts.seconds
-            steps[i] = g.verified(new, k, cost)
-            if g.use_mtp and g.params.k is None:
-                self.policy.observe(kind, k, len(new) - 1, cost if alone else None,
-                                    row.drafts.confidence[:k])
-        self._draft([gens[i] for i in batch if gens[i].finish_reason is None])
+        live = [i for i, g in enumerate(gens) if g.finish_reason is None]
+        fresh = [i for i in live if not gens[i].started]
+        if fresh:
+            for i, step in zip(fresh, self._prefill([gens[i] for i in fresh]), strict=True):
+                steps[i] = step
+        batch = [i for i in live if i not in fresh and self._ready(gens[i])]
+        if batch:
+            for i, step in zip(batch, self._decode([gens[i] for i in batch]), strict=True):
+                steps[i] = step
         return steps
 
-    def _row(self, g: Generation) -> Row:
-        return Row(self.slots.get(g.slot), g.sequence, g.sampler, g.drafts)
-
-    def _prefill(self, g: Generation) -> Step:
-        """The first step: run the prompt, commit the first token, draft the next ones."""
-        t0 = time.perf_counter()
-        row = self._row(g)
-        _, reused = prefill(self.model, row, self.tokens_starting_with(g.params.forced))
-        if g.use_mtp:  # the modules take in the prompt too: prefill work, not a step's
-            catch_up(self.model, [row])
-        step = g.prefilled(reused, time.perf_counter() - t0)
-        if g.finish_reason is None:
-            self._draft([g])
-        return step
-
-    def _resume(self, g: Generation) -> bool:
+    def _ready(self, g: Generation) -> bool:
         """Before a verify: take the slot back if another generation ran in it (the rebuild
         is not a step's cost), and end the generation if the context is full."""
-        row = self._row(g)
-        if not row.slot.holds(g.sequence):
-            restore(self.model, row)
-            if g.use_mtp:
-                catch_up(self.model, [row])
+        slot = self.slots.get(g.slot)
+        if not slot.holds(g.sequence):
+            self._start_rows([g], restore=True)
             g.resumed()
-            self._draft([g])
-        if g.drafts.count + 1 > row.slot.room():
+        if slot.room() < 1:
             g.finish("length")  # the context is full
             return False
+        if len(slot.drafts) + 1 > slot.room():  # commit no more than the context holds
+            slot.drafts = slot.drafts[:slot.room() - 1]
+            self.state.set_rows([slot.index], num_drafts=[len(slot.drafts)])
         return True
 
-    def _draft(self, gens: list[Generation]) -> None:
-        """Draft the next step of each generation, in one batch (of one, after a prefill or
-        a rebuild)."""
-        if not gens:
-            return
+    def _prefill(self, gens: list[Generation]) -> list[Step]:
+        """The first step: run the prompts, commit the first tokens, draft the next ones."""
         t0 = time.perf_counter()
-        rows = [self._row(g) for g in gens]
-        plans = [self._plan(g, r) for g, r in zip(gens, rows, strict=True)]
-        room = min(r.slot.room() for r in rows) - 2  # padded rows need it too
-        draft(self.model, rows, [max(0, min(k, room)) for k, _ in plans],
-              [chain.more if chain else None for _, chain in plans])
-        for g in gens:
-            g.drafts.seconds = time.perf_counter() - t0
+        reused = self._start_rows(gens, restore=False)
+        seconds = time.perf_counter() - t0
+        return [g.prefilled(r, seconds) for g, r in zip(gens, reused, strict=True)]
 
-    def _plan(self, g: Generation, row: Row) -> tuple[int, DraftChain | None]:
-        """Drafts for the next step, within what is left to generate and the room in the
-        context: a fixed K, or (adaptive) up to k_max with the policy's rule for stopping
-        after each draft, when the policy drafts at all."""
+    def _start_rows(self, gens: list[Generation], *, restore: bool) -> list[int]:
+        """Prefill (or, after another generation took the slot, restore) each generation's
+        slot, pick its first token unless it has one, and draft for its next step."""
+        slots = [self.slots.get(g.slot) for g in gens]
+        rows = [PrefillRow(s, g.sequence, len(g.sequence) - restore)
+                for s, g in zip(slots, gens, strict=True)]
+        reused = prefill(self.model, self.caches, rows, spare=self.k_max + 2)
+        index = [s.index for s in slots]
+        self._set_sampling(index, gens)
+        if not restore:
+            sampling = self._sampling(index, gens)
+            allowed = self._allowed(gens)
+            for g, tok in zip(gens, first_tokens(self.model, self.caches, rows, sampling,
+                                                 allowed).tolist(), strict=True):
+                g.sequence.append(tok)
+        self.state.set_rows(index, lengths=[s.length for s in slots],
+                            tokens=[[g.sequence[-1]] + [0] * self.k_max for g in gens],
+                            num_drafts=[0] * len(gens))
+        self._first_drafts(gens, slots)
+        return reused
+
+    def _first_drafts(self, gens: list[Generation], slots: list[Slot]) -> None:
+        rows = self._rows(len(gens))
+        plans = [self._plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
+        k = max(p[0] for p in plans)
+        if not k:
+            return
+        outs = [catch_up(self.model, self.caches, s.index, g.sequence, s.mtp_len, s.length)
+                for g, s in zip(gens, slots, strict=True)]
+        for s in slots:
+            s.mtp_len = s.length
+        index = [s.index for s in slots]
+        self._set_plans(index, plans, rows)
+        base = torch.tensor([s.length for s in slots], device=self.device)
+        kv_len = self._kv_len(max(s.length for s in slots) + k + 1)
+        at = torch.tensor(index, device=self.device)
+        with torch.inference_mode():
+            draft_chain(self.model, self.caches, self.state, at, torch.cat(outs), base, k,
+                        kv_len, self._sampling(index, gens), confident=any(p[2] for p in plans),
+                        early_exit=self.early_exit)
+        counts = self.state.num_drafts[index].tolist()
+        made = self.state.tokens[index, 1:k + 1].tolist()
+        conf = self.state.confidence[index, :k].tolist()
+        for s, c, d, p in zip(slots, counts, made, conf, strict=True):
+            s.drafts, s.confidence = d[:c], p[:c]
+
+    def _decode(self, gens: list[Generation]) -> list[Step]:
+        slots = [self.slots.get(g.slot) for g in gens]
+        index = [s.index for s in slots]
+        rows = self._rows(len(gens))
+        plans = [self._plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
+        k = max(p[0] for p in plans)
+        if k:  # modules that fell behind (steps without drafts) catch up first
+            for g, s in zip(gens, slots, strict=True):
+                if s.mtp_len < s.length:
+                    catch_up(self.model, self.caches, s.index, g.sequence, s.mtp_len, s.length)
+                    s.mtp_len = s.length
+        self._set_plans(index, plans, rows)
+        verified = [(len(s.drafts), s.confidence) for s in slots]
+        width = self.width if self.static else max(self.invariance.min_width,
+                                                   max(n for n, _ in verified) + 1)
+        shape = Shape(width=width, drafts=k,
+                      kv_len=self._kv_len(max(s.length for s in slots) + width + k + 1),
+                      sampled=any(not g.sampling.greedy for g in gens),
+                      nucleus=any(g.sampling.top_p < 1 for g in gens),
+                      confident=any(p[2] for p in plans), early_exit=self.early_exit)
+        kinds = [g.kind for g in gens]  # the drafts were made in this kind of text
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self._run(index, shape).tolist()
+        seconds = time.perf_counter() - t0
+        steps = []
+        for g, s, row, (nd, conf), kind in zip(gens, slots, out[:len(gens)], verified, kinds,
+                                               strict=True):
+            tokens, n, s.drafts, s.confidence = unpack(row, shape)
+            g.sequence.extend(tokens)
+            s.advance(n + 1, modules=k > 0)
+            steps.append(g.verified(tokens, nd, seconds))
+            if g.use_mtp and g.params.k is None:
+                self.policy.observe(kind, nd, n, None, conf[:nd])
+        if any(p[2] for p in plans):  # adaptive rows ran: the step prices its K
+            self.policy.observe_step(max(n for n, _ in verified), seconds, rows)
+        return steps
+
+    def _rows(self, live: int) -> int:
+        """Rows a step of `live` generations runs (padded ones included)."""
+        padded = self.static or not self.invariance.batch_invariant
+        return self.max_slots if padded else live
+
+    def _buckets(self) -> list[int]:
+        """Numbers of rows whose step costs are measured: 1, 2, 4, ... and all slots."""
+        return sorted({*(1 << i for i in range(self.max_slots.bit_length())
+                         if 1 << i <= self.max_slots), self.max_slots})
+
+    def _kv_len(self, n: int) -> int:
+        """Keys a forward reading positions < n attends over."""
+        if self.static or not self.invariance.key_invariant:
+            return self.caches.length
+        return kv_blocks(n, self.caches.length)
+
+    def _run(self, index: list[int], shape: Shape) -> torch.Tensor:
+        """The step for the slots in `index`; where the batch size changes the bits, or the
+        step runs one shape, padded to all slots with rows that run in the spare slot and
+        are thrown away."""
+        pad = 0 if self.invariance.batch_invariant and not self.static else \
+            self.max_slots - len(index)
+        if pad:
+            self.state.set_rows([self._pad_slot], lengths=[0], num_drafts=[0],
+                                plan=[[0, 0, 0]])
+        index = index + [self._pad_slot] * pad
+        if not self.static:
+            shape = replace(shape, span=span_of(index))
+        if self._graphed is not None:
+            return self._graphed(index, shape)
+        return self._call_step(torch.tensor(index, device=self.device), shape)
+
+    def _call_step(self, slots: torch.Tensor, shape: Shape) -> torch.Tensor:
+        with torch.inference_mode():
+            return decode_step(self.model, self.caches, self.state, slots, shape, self.fns)
+
+    def _plan(self, g: Generation, slot: Slot, rows: int) -> tuple[int, int, bool]:
+        """Drafts for the next step (at most; within what is left to generate and the room
+        in the context), the floor the chain rule cannot cut, and whether it applies: a
+        fixed K, or (adaptive) up to k_max when the policy drafts at all."""
         if not g.use_mtp:
-            return 0, None
+            return 0, 0, False
         fixed, policy = g.params.k, self.policy
         if fixed is None:  # draft at all? then up to k_max, the chain deciding where to stop
-            chosen = policy.choose(g.kind)
+            chosen = policy.choose(g.kind, rows)
             k = self.k_max if chosen else 0
         else:
             k = fixed
-        k = max(0, min(k, self.k_max, g.tokens_left() - 1, row.slot.room() - 2))
+        k = max(0, min(k, self.k_max, g.tokens_left() - 1, slot.room() - 2))
         if fixed is not None or not k:
-            return k, None
-        return k, policy.chain(floor=chosen if policy.probing else 1)
+            return k, k, False
+        return k, chosen if policy.probing else 1, True
+
+    def _set_plans(self, index: list[int], plans: list[tuple[int, int, bool]],
+                   rows: int) -> None:
+        self.state.set_rows(index, plan=[[k, floor, int(adaptive)] for k, floor, adaptive in plans])
+        if any(adaptive for _, _, adaptive in plans):
+            accept, unit = self.policy.chain_plan(rows)
+            rate = self.policy.rate * self.policy.scale  # tokens/s of the unscaled cost curve
+            self.state.chain_accept.copy_(torch.tensor(accept))
+            self.state.chain_limit.copy_(torch.tensor([rate * u for u in unit]))
+
+    def _set_sampling(self, index: list[int], gens: list[Generation]) -> None:
+        self.state.set_rows(index, temperature=[g.sampling.temperature for g in gens],
+                            top_p=[g.sampling.top_p for g in gens],
+                            seed=[g.sampling.seed for g in gens])
+
+    def _sampling(self, index: list[int], gens: list[Generation]) -> RowSampling:
+        rows = torch.tensor(index, device=self.device)
+        return RowSampling(self.state.temperature[rows], self.state.top_p[rows],
+                           self.state.seed[rows], any(not g.sampling.greedy for g in gens),
+                           any(g.sampling.top_p < 1 for g in gens))
+
+    def _allowed(self, gens: list[Generation]) -> torch.Tensor | None:
+        masks = [self.tokens_starting_with(g.params.forced) for g in gens]
+        if all(m is None for m in masks):
+            return None
+        every = torch.ones(self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
+        return torch.stack([every if m is None else m for m in masks])
 
     # Step costs
 
     def calibrate(self) -> None:
-        """Measure the step cost of every K on this machine for the K policy."""
-        self.policy.set_costs(self.measure_costs())
-
-    def measure_costs(self, reps: int = 7, context: int = 1024) -> list[float]:
-        """Seconds per step for each K (verify of K+1 tokens plus K draft steps), at a
-        context as long as an editor's prompt: attention over it is a good part of a step's
-        cost. The Ks take turns, round after round, so that a disturbance of the machine
-        (another process, a frequency change) spreads over all of them instead of bending
-        one; each K's cost is the median of its `reps` rounds, made monotone (more drafts
-        never cost less). The curve is not a line: on a CPU a verify of 3 to 6 tokens costs
-        about what one of 2 does."""
-        if self.k_max == 0:
-            return [1.0]
-        greedy = Sampler(0.0, 1.0, 0, self.device)
-        n = max(1, min(context, self.max_seq_len // 2))
-        vocab = self.model.cfg.vocab_size
-        warm = [(i * 7919 + 13) % vocab for i in range(n)]
-        slot = self.slots.get(None)
-        slot.reset()
-        row = Row(slot, list(warm), greedy, Drafts.empty(self.k_max, self.device))
-        first, _ = prefill(self.model, row)
-        catch_up(self.model, [row])
-        times: list[list[float]] = [[] for _ in range(self.k_max + 1)]
-        for _ in range(reps + 1):  # the first round warms up every K's shapes
-            for k in range(self.k_max + 1):
-                if k + 2 > slot.room():  # a short context fills up: start over
-                    row.seq = [*warm, first]
-                    restore(self.model, row)
-                    catch_up(self.model, [row])
-                t0 = time.perf_counter()
-                draft(self.model, [row], [k])
-                verify(self.model, [row])
-                times[k].append(time.perf_counter() - t0)
-        slot.reset()
-        return monotone([statistics.median(t[1:]) for t in times])
+        """Measure on this device which step shapes keep rows bit-identical, then the step
+        cost of every K for the K policy."""
+        if self.exact:
+            self.invariance = probe(self.model, self.width, self.max_slots)
+        else:
+            self.invariance = Invariance(1, batch_invariant=True, key_invariant=True)
+        try:
+            costs = measure_costs(self, self.model.cfg.vocab_size, self._buckets())
+        except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
+            if not self.static:
+                raise
+            log.warning("compiled or captured steps failed (%s: %s); running eager",
+                        type(e).__name__, e)
+            self.graphs = self.compiled = self.static = False
+            self.fns, self._graphed, self.early_exit = EAGER, None, True
+            costs = measure_costs(self, self.model.cfg.vocab_size, self._buckets())
+        self.policy.set_costs(costs)
+        if self.static:  # compile or capture the adaptive step too, before any request
+            self.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))
+            self.clear_cache(("ahead", "warm"))

@@ -3,22 +3,20 @@
 `Engine.start()` returns a `Generation`, an iterator whose every `next()` runs one step (the
 prefill, then one verify+draft step) and returns what it committed. A caller cancels by not
 asking for the next step: the cache is consistent after every step. The generation owns its
-sequence (the prompt, then every token the steps commit, the last one not yet run) and its
-drafts; the engine's steps extend them, and tell it what each step committed.
+sequence (the prompt, then every token the steps commit, the last one not yet run); the
+engine's steps extend it, and tell the generation what each step committed.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from engine.decode.policy import TextKind, classify
-from engine.decode.rows import Drafts
-from engine.decode.sampling import Sampler
+from engine.decode.sampling import Sampling
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -81,7 +79,6 @@ class Host(Protocol):
     """What a generation needs of the engine that runs it (an `Engine`)."""
 
     k_max: int
-    device: torch.device
     tokenizer: Tokenizer
     stop_ids: frozenset[int]
 
@@ -92,10 +89,10 @@ class Generation(Iterator[Step]):
     def __init__(self, engine: Host, prompt: list[int], params: GenParams,
                  slot: object = None) -> None:
         self.prompt, self.params, self.slot = list(prompt), params, slot
-        self.sampler = Sampler(params.temperature, params.top_p, params.seed, engine.device)
+        seed = params.seed if params.seed is not None else secrets.randbits(31)
+        self.sampling = Sampling(params.temperature, params.top_p, seed)
         self.use_mtp = params.speculative and engine.k_max > 0
         self.sequence = list(prompt)  # then every committed token; the last is next to run
-        self.drafts = Drafts.empty(engine.k_max, engine.device)
         self.tokens: list[int] = []  # the output, up to a stop
         self.text = ""
         self.finish_reason: str | None = None

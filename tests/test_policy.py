@@ -214,3 +214,37 @@ def test_expensive_drafts_stop_the_chain_sooner() -> None:
         return n
 
     assert length([1.0 + 1.0 * k for k in range(9)]) < length(COSTS)
+
+
+def test_the_device_rule_decides_as_the_chain_does() -> None:
+    """`decode.draft.chain_rule` (the rule as the step runs it, all rows at once) makes the
+    decisions `DraftChain.more` makes, draft after draft."""
+    import torch
+
+    from engine.decode.draft import chain_rule
+
+    rng = random.Random(1)
+    policy = trained(0.8)
+    for _ in range(300):
+        confidences = [rng.random() for _ in range(8)]
+        accepted = next((i for i, c in enumerate(confidences) if rng.random() > c), 8)
+        policy.observe(TextKind.CODE, 8, accepted, confidences=confidences)
+    policy.best(TextKind.CODE)
+    accept, unit = policy.chain_plan()
+    rate = policy.rate * policy.scale
+    accept_t = torch.tensor(accept, dtype=torch.float64)
+    limit_t = torch.tensor([rate * u for u in unit], dtype=torch.float64)
+    rows = 300
+    confs = torch.rand(rows, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    floors = torch.tensor([rng.randint(1, 3) for _ in range(rows)])
+    chains = [DraftChain(policy, floor=int(f)) for f in floors]
+    survival = torch.ones(rows, dtype=torch.float64)
+    alive = torch.ones(rows, dtype=torch.bool)
+    for j in range(1, 8):
+        survival, go_on = chain_rule(accept_t, limit_t, j, survival, confs[:, j - 1], floors,
+                                     torch.ones(rows, dtype=torch.bool))
+        for b in range(rows):
+            if alive[b]:
+                assert bool(go_on[b]) == chains[b].more(float(confs[b, j - 1])), (b, j)
+        alive &= go_on
+    assert 0 < int(alive.sum()) < rows  # some chains went the whole way, some stopped

@@ -9,18 +9,18 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import tokenizers
 import torch
 from scipy.stats import chisquare
+from tokenizers import models
 
-from engine.cache.slots import SlotCache
+from engine import Engine, GenParams
 from engine.decode.accept import accept_sampled
-from engine.decode.draft import draft
-from engine.decode.prefill import prefill
-from engine.decode.rows import Drafts, Row
-from engine.decode.sampling import Sampler, probs_from_logits, sample
-from engine.decode.verify import verify
+from engine.decode.random import DRAFT, uniform
+from engine.decode.sampling import probs_from_logits, sample
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer
+from engine.tokenizer import Tokenizer
 
 P_MIN = 1e-3
 
@@ -39,8 +39,11 @@ def run_rule(rule, n: int = 200_000, vocab: int = 6, k: int = 3) -> tuple[torch.
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)  # target, per position
     q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)  # draft
-    drafts = sample(q.expand(n, k, vocab), g)  # [n, K]
-    tokens, accepted = rule(drafts, p.expand(n, k + 1, vocab), q.expand(n, k, vocab), g)
+    seed = torch.arange(n)  # every trial its own seed
+    pos = torch.arange(1, k + 2).expand(n, k + 1)  # the positions the tokens are for
+    drafts = sample(q.expand(n, k, vocab), seed[:, None], pos[:, :k], DRAFT)  # [n, K]
+    tokens, accepted = rule(drafts, p.expand(n, k + 1, vocab), q.expand(n, k, vocab),
+                            torch.full((n,), k), seed, pos)
     return p, tokens, accepted
 
 
@@ -62,11 +65,22 @@ def test_acceptance_rule_preserves_each_position() -> None:
 
 
 def test_negative_control_accepting_every_draft_is_caught() -> None:
-    def biased(drafts, p, q, g):
-        tokens, n = accept_sampled(drafts, p, q, g)
+    def biased(drafts, p, q, nd, seed, pos):
+        tokens, n = accept_sampled(drafts, p, q, nd, seed, pos)
         return torch.cat([drafts, tokens[..., -1:]], -1), torch.full_like(n, drafts.shape[-1])
     p, tokens, accepted = run_rule(biased)
     assert min(emitted_position_pvalues(p, tokens, accepted)) < 1e-10
+
+
+def test_counter_draws_are_uniform_and_differ_by_seed_position_and_purpose() -> None:
+    seed, pos = torch.arange(4000), torch.arange(4000) % 7
+    u = uniform(seed, pos, DRAFT)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    assert gof(counts, torch.full((20,), 0.05)) > P_MIN
+    assert not torch.equal(u, uniform(seed, pos + 1, DRAFT))
+    assert not torch.equal(u, uniform(seed, pos, DRAFT + 1))
+    assert torch.equal(u, uniform(seed, pos, DRAFT))  # a pure function of its inputs
 
 
 def test_top_p_keeps_the_smallest_nucleus() -> None:
@@ -94,20 +108,25 @@ def exact_continuations(model: Transformer, prompt: list[int], length: int,
     return probs
 
 
-def sample_continuations(model: Transformer, prompt: list[int], length: int, k: int,
+def tiny_engine(model: Transformer, slots: int) -> Engine:
+    vocab = {chr(97 + i): i for i in range(model.cfg.vocab_size)}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    return Engine(model, Tokenizer(tok), max_seq_len=32, k_max=2, slots=slots)
+
+
+def sample_continuations(engine: Engine, prompt: list[int], length: int, k: int,
                          temperature: float, top_p: float, n: int) -> torch.Tensor:
-    slot = SlotCache(model, max_seq_len=32)
-    sampler = Sampler(temperature, top_p, seed=1234, device=torch.device("cpu"))
-    vocab = model.cfg.vocab_size
+    """Counts of each continuation over n seeded generations, run `slots` at a time."""
+    vocab = engine.model.cfg.vocab_size
     counts = torch.zeros(vocab ** length)
-    for _ in range(n):
-        slot.reset()
-        row = Row(slot, list(prompt), sampler, Drafts.empty(k, torch.device("cpu")))
-        out = [prefill(model, row)[0]]
-        while len(out) < length:
-            draft(model, [row], [k])
-            out += verify(model, [row])[0]
-        counts[sum(t * vocab ** (length - 1 - j) for j, t in enumerate(out[:length]))] += 1
+    for first in range(0, n, engine.max_slots):
+        gens = [engine.start(prompt, GenParams(length, temperature=temperature, top_p=top_p,
+                                               seed=seed, k=k, speculative=k > 0), slot=i)
+                for i, seed in enumerate(range(first, min(first + engine.max_slots, n)))]
+        while live := [g for g in gens if g.finish_reason is None]:
+            engine.step(live)
+        for g in gens:
+            counts[sum(t * vocab ** (length - 1 - j) for j, t in enumerate(g.tokens))] += 1
     return counts
 
 
@@ -117,7 +136,8 @@ def test_engine_sampling_matches_exact_distribution(temperature: float, top_p: f
     model = Transformer(TINY).eval()
     prompt, length = [1, 2, 3], 3
     exact = exact_continuations(model, prompt, length, temperature, top_p)
-    spec = sample_continuations(model, prompt, length, 2, temperature, top_p, n=1500)
-    ar = sample_continuations(model, prompt, length, 0, temperature, top_p, n=1500)
+    engine = tiny_engine(model, slots=16)
+    spec = sample_continuations(engine, prompt, length, 2, temperature, top_p, n=1500)
+    ar = sample_continuations(engine, prompt, length, 0, temperature, top_p, n=1500)
     assert gof(spec, exact) > P_MIN
     assert gof(ar, exact) > P_MIN

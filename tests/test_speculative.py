@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from engine import Engine, GenParams
-from engine.decode.draft import catch_up, draft
-from engine.decode.prefill import prefill
-from engine.decode.rows import Drafts, Row
-from engine.decode.sampling import Sampler
+from engine.decode.draft import catch_up, draft_chain
+from engine.decode.sampling import RowSampling
 from engine.model.layers import rope_tables
 from engine.model.transformer import Transformer
 from tests.conftest import CHAIN_VOCAB
@@ -86,8 +84,7 @@ def reference_drafts(model: Transformer, seq: list[int], k: int) -> list[int]:
     n = len(seq) - 1
     tokens = torch.tensor([seq])
     rope = rope_tables(model.cfg, n + k + 1, tokens.device, torch.float32)
-    pos = torch.arange(n + k + 1)
-    h = model.trunk(tokens[:, :n], (rope[0][:n], rope[1][:n]), pos[:n])
+    h = model.trunk(tokens[:, :n], (rope[0][:n], rope[1][:n]))
     chains: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
     drafts: list[int] = []
     m, tok, out = 0, seq[-1], h
@@ -101,8 +98,7 @@ def reference_drafts(model: Transformer, seq: list[int], k: int) -> list[int]:
             ts.append(tok)
         full_h = torch.cat(hs, dim=1)
         length = full_h.shape[1]
-        out = model.mtp_forward(m, full_h, torch.tensor([ts]), (rope[0][:length], rope[1][:length]),
-                                pos[:length])
+        out = model.mtp_forward(m, full_h, torch.tensor([ts]), (rope[0][:length], rope[1][:length]))
         tok = int(model.mtp_logits(m, out[:, -1]).argmax(-1))
         drafts.append(tok)
     return drafts
@@ -117,11 +113,10 @@ def test_draft_parity_with_fresh_forward(which: str, request) -> None:
                 gen = engine.start(prompt, GenParams(max_new_tokens=30, k=k))
                 checked = 0
                 for _ in gen:
-                    if gen.drafts.count == 0:
+                    got = engine.drafts(gen.slot)
+                    if not got or gen.finish_reason is not None:
                         continue
-                    seq = gen.sequence
-                    got = gen.drafts.made().tolist()
-                    assert got == reference_drafts(engine.model, seq, gen.drafts.count)
+                    assert got == reference_drafts(engine.model, gen.sequence, len(got))
                     checked += 1
                 assert checked >= 2
 
@@ -163,38 +158,38 @@ def test_chained_training_sees_what_decoding_sees(random_engine: Engine) -> None
             assert [int(s[0, row].argmax()) for s in students] == drafts
 
 
-def test_a_stopping_rule_cuts_the_drafts_and_sees_each_ones_probability(
+def test_the_chain_rule_cuts_one_rows_drafts_and_sees_each_ones_probability(
         trained_engine: Engine) -> None:
-    """`draft` asks a row's rule after each draft, with the module's probability for
-    it, and stops that row alone where its rule says; the drafts it keeps are the ones an
-    uncut chain makes, and the rows that go on are not disturbed."""
+    """The step's draft chain stops an adaptive row where the rule says (here: after two
+    drafts) while a fixed-K row beside it goes on; the drafts each keeps are the ones an
+    uncut chain makes, and each draft's probability is the module's softmax at it."""
     engine = trained_engine
-    greedy = Sampler(0.0, 1.0, None, engine.device)
-    prompts = chain_prompts(2, seed=9)
-    rows = [Row(engine.slots.get(("cut", i)), list(prompt), greedy,
-                Drafts.empty(engine.k_max, engine.device)) for i, prompt in enumerate(prompts)]
-    for r in rows:
-        r.slot.reset()
-        prefill(engine.model, r)
-    seen: list[float] = []
-
-    def stop_after_two(p: float) -> bool:
-        seen.append(p)
-        return len(seen) < 2
-
+    gens = [engine.start(prompt, GenParams(max_new_tokens=30, k=5), slot=("cut", i))
+            for i, prompt in enumerate(chain_prompts(2, seed=9))]
+    engine.step(gens)  # the prefills
+    slots = [engine.slots.get(g.slot) for g in gens]
+    state = engine.state
+    state.set_rows([s.index for s in slots], plan=[[6, 1, 1], [5, 5, 0]])
+    state.chain_accept.fill_(1.0)
+    state.chain_limit.copy_(torch.tensor([0.0, 0.0] + [2.0] * (engine.k_max - 1)))
     with torch.inference_mode():
-        draft(engine.model, rows, [6, 5], [stop_after_two, None])
-        assert [r.drafts.count for r in rows] == [2, 5]
-        assert rows[0].drafts.confidence == seen and len(seen) == 2
-        assert all(0.0 < p <= 1.0 for p in seen)
-        assert rows[1].drafts.confidence == []  # no rule: nothing computed
-        for r in rows:
-            seq = r.seq
-            assert r.drafts.made().tolist() == reference_drafts(engine.model, seq,
-                                                                r.drafts.count)
+        outs = [catch_up(engine.model, engine.caches, s.index, g.sequence, s.length - 1,
+                         s.length) for g, s in zip(gens, slots, strict=True)]
+        index = torch.tensor([s.index for s in slots])
+        sampling = RowSampling(state.temperature[index], state.top_p[index], state.seed[index],
+                               sampled=False, nucleus=False)
+        draft_chain(engine.model, engine.caches, state, index, torch.cat(outs),
+                    torch.tensor([s.length for s in slots]), 6, 256, sampling, confident=True)
+        counts = state.num_drafts[index].tolist()
+        assert counts == [2, 5]
+        for g, s, n in zip(gens, slots, counts, strict=True):
+            made = state.tokens[s.index, 1:n + 1].tolist()
+            assert made == reference_drafts(engine.model, g.sequence, n)
         # The probability of draft 1 is the module's softmax at the drafted token.
-        out = engine.model.mtp_logits(0, catch_up(engine.model, rows[:1]))[0, -1]
-        assert seen[0] == pytest.approx(float(out.softmax(-1).max()), rel=1e-4)
+        top = engine.model.mtp_logits(0, outs[0])[0, -1].softmax(-1).max()
+        assert float(state.confidence[slots[0].index, 0]) == pytest.approx(float(top), rel=1e-4)
+    for s in slots:
+        s.reset()
 
 
 def test_adaptive_drafting_is_lossless_and_varies_k(trained_engine: Engine) -> None:

@@ -53,7 +53,7 @@ def chain_logits(model: Transformer, tokens: Tensor, depth: int) -> tuple[list[T
         raise ValueError(f"sequences of {length} tokens are too short for depth {depth}")
     cos, sin = rope_tables(model.cfg, length, tokens.device, model.model.embed_tokens.weight.dtype)
     with torch.no_grad():
-        h0 = model.trunk(tokens, (cos, sin), torch.arange(length, device=tokens.device))
+        h0 = model.trunk(tokens, (cos, sin))
         teacher = F.log_softmax(model.head(h0).float(), dim=-1)  # row p predicts x_{p+1}
     rows = torch.arange(seqlen, device=tokens.device)
     causal = rows[None, :] <= rows[:, None]  # stream 1: committed entries at positions <= t

@@ -48,13 +48,12 @@ def distill_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         seqlen = tokens.shape[1]
         rope = rope_tables(model.cfg, seqlen, tokens.device, model.model.embed_tokens.weight.dtype)
-        pos = torch.arange(seqlen, device=tokens.device)
-        h = model.trunk(tokens, rope, pos)
+        h = model.trunk(tokens, rope)
         teacher = F.log_softmax(model.head(h[:, 1:]).float(), dim=-1)  # row t: x_{t+2}
     short = (rope[0][:-1], rope[1][:-1])
     losses = []
     for m in range(model.num_mtp):
-        out = model.mtp_forward(m, h[:, :-1], tokens[:, 1:], short, pos[:-1])
+        out = model.mtp_forward(m, h[:, :-1], tokens[:, 1:], short)
         student = F.log_softmax(model.mtp_logits(m, out).float(), dim=-1)
         losses.append(F.kl_div(student, teacher, log_target=True, reduction="batchmean")
                       / (seqlen - 1))

@@ -1,35 +1,57 @@
-"""KV caches: one attention layer's keys and values for one slot, allocated once at the full
-context and written in place by position; and a batch's view of several slots' caches.
+"""KV caches: every slot's keys and values for one attention layer, allocated once at the full
+context and written in place by position; and what a forward tells the attention layers
+about the rows it runs (which slot, which positions, which keys each query may see).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 
-class LayerKV:
-    """One attention layer's cache, allocated once at full length and written in place."""
+class KVCache:
+    """One attention layer's cache for all slots: k and v [slots, kv_heads, length, head_dim]."""
 
     __slots__ = ("k", "v")
 
-    def __init__(self, bsz: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+    def __init__(self, num_slots: int, num_kv_heads: int, length: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> None:
-        shape = (bsz, num_kv_heads, max_seq_len, head_dim)  # [B, Hkv, T, D]
+        shape = (num_slots, num_kv_heads, length, head_dim)  # [S, Hkv, T, D]
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+    def update(self, batch: CacheBatch, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, Hkv, S, D] at each row's slot and positions; the keys and values
+        of those slots' first kv_len positions [B, Hkv, kv_len, D]."""
+        slots = batch.slots[:, None]  # [B, 1] against positions [B, S]
+        self.k[slots, :, batch.pos] = k.transpose(1, 2)  # indexed: [B, S, Hkv, D]
+        self.v[slots, :, batch.pos] = v.transpose(1, 2)
+        if batch.span is not None:  # consecutive slots: a view, no copy
+            first, last = batch.span
+            return self.k[first:last, :, :batch.kv_len], self.v[first:last, :, :batch.kv_len]
+        return (self.k[batch.slots, :, :batch.kv_len], self.v[batch.slots, :, :batch.kv_len])
 
 
-class RowsKV:
-    """One layer's caches for a batch of sequences, one `LayerKV` per row, each with its own
-    positions [B, S] and attention mask [S, kv_len_b] (lengths differ between rows)."""
+@dataclass(slots=True)
+class CacheBatch:
+    """The rows of a cached forward: row b runs in slot slots[b] at positions pos[b]; its
+    queries see the keys of positions <= their own among the slot's first kv_len."""
 
-    __slots__ = ("masks", "rows")
+    slots: Tensor  # [B] long
+    pos: Tensor  # [B, S] long
+    kv_len: int  # keys read per row: a multiple of a block, or the whole cache
+    span: tuple[int, int] | None = None  # when the slots are first..last-1, in order
+    mask: Tensor = field(init=False)  # [B, 1, S, kv_len] bool, built on the device
 
-    def __init__(self, rows: list[LayerKV], masks: list[Tensor]) -> None:
-        self.rows, self.masks = rows, masks
+    def __post_init__(self) -> None:
+        keys = torch.arange(self.kv_len, device=self.pos.device)
+        self.mask = (keys[None, None, :] <= self.pos[:, :, None])[:, None]
+
+
+def span_of(index: list[int]) -> tuple[int, int] | None:
+    """(first, last + 1) when `index` counts up one by one, else None."""
+    if index == list(range(index[0], index[0] + len(index))):
+        return index[0], index[0] + len(index)
+    return None

@@ -1,22 +1,25 @@
-"""Slots: one sequence's caches each, and which key (an editor's document, say) has which.
+"""Slots: the device caches of every slot, and on the host what each slot holds.
 
-A slot holds, for the sequence it was last given (its holder's token list, which only
-grows), the trunk's KV entries and output h_t for positions 0..length-1, and each MTP
-module's KV entries for positions t < mtp_len (entry t made from h_t and x_{t+1}). All of it
-is allocated once at the full context, batch 1 per slot, and written in place by position;
-rolling back is moving `length` back: entries past it are overwritten before they are ever
-attended to.
+All slots' caches are allocated once at load: per attention layer of the trunk and of each
+MTP module, keys and values [slots, kv_heads, length, head_dim]; the trunk's output h_t
+[slots, length, hidden] (what the modules are run on); rotary tables. `length` is the
+context plus scratch room: rows that pad a step (drafts a row did not make, positions past
+its end) write there and are never read as real keys. A `Slot` is the host's record of one
+slot: the sequence it holds (its holder's token list, which only grows), how many of its
+positions the trunk has cached (entry t < length), and how many the MTP modules have (entry
+t < mtp_len, made from h_t and x_{t+1}). Rolling back is moving `length` back: entries past
+it are overwritten before they are ever attended to.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import torch
 from torch import Tensor
 
-from engine.cache.kv import LayerKV
+from engine.cache.kv import KVCache
 from engine.model.layers import rope_tables
 from engine.model.transformer import Transformer
 
@@ -33,34 +36,52 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class SlotCache:
-    """One slot: caches, hidden states and position tables for one sequence at a time."""
+class Caches:
+    """Every slot's device state, allocated once."""
 
-    def __init__(self, model: Transformer, max_seq_len: int, kv_block: int = 64) -> None:
+    def __init__(self, model: Transformer, num_slots: int, max_seq_len: int,
+                 scratch: int) -> None:
         cfg = model.cfg
-        p = model.model.embed_tokens.weight
-        self.device, self.dtype = p.device, p.dtype
-        self.max_seq_len = max_seq_len
-        self.kv_block = kv_block  # eager: attend over a multiple of this, not the whole cache
+        weight = model.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        self.length = max_seq_len + scratch
 
-        def layers(n: int) -> list[LayerKV]:
-            return [LayerKV(1, cfg.num_kv_heads, max_seq_len, cfg.head_dim, self.device,
+        def layers(n: int) -> list[KVCache]:
+            return [KVCache(num_slots, cfg.num_kv_heads, self.length, cfg.head_dim, self.device,
                             self.dtype) for _ in range(n)]
 
-        self.trunk_kv = layers(cfg.num_layers)
-        self.mtp_kv = [layers(cfg.mtp_layers_per_module) for _ in range(model.num_mtp)]
-        self.rope_tables = rope_tables(cfg, max_seq_len, self.device, self.dtype)
-        self.positions = torch.arange(max_seq_len, device=self.device)
-        self.hidden = torch.zeros(1, max_seq_len, cfg.hidden_size, device=self.device,
-                                  dtype=self.dtype)  # trunk output h_t, [1, T, H]
-        self.seq: list[int] = []  # the holder's tokens: positions < length are cached
+        self.trunk = layers(cfg.num_layers)
+        self.modules = [layers(cfg.mtp_layers_per_module) for _ in range(model.num_mtp)]
+        self.hidden = torch.zeros(num_slots, self.length, cfg.hidden_size, device=self.device,
+                                  dtype=self.dtype)  # trunk output h_t, [S, T, H]
+        self.cos, self.sin = rope_tables(cfg, self.length, self.device, self.dtype)
+
+    def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., D] at positions `pos`."""
+        return self.cos[pos], self.sin[pos]
+
+    def nbytes(self) -> int:
+        tensors = [self.hidden, self.cos, self.sin]
+        for cache in [*self.trunk, *(c for m in self.modules for c in m)]:
+            tensors += [cache.k, cache.v]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Slot:
+    """The host's record of one slot (see the module's docstring)."""
+
+    def __init__(self, index: int, max_seq_len: int) -> None:
+        self.index, self.max_seq_len = index, max_seq_len
+        self.seq: list[int] = []
         self.length = 0
-        self.mtp_len = 0  # module entries are valid for positions < mtp_len
-        self._module_out: tuple[int, Tensor] | None = None  # (length, module 0 at length-1)
+        self.mtp_len = 0
+        self.drafts: list[int] = []  # made after the pending token, waiting for the verify
+        self.confidence: list[float] = []  # each draft's probability under its module
 
     def room(self) -> int:
-        """Positions left after the cached ones: a verify of k drafts writes k + 1 of them,
-        drafting k writes k module entries. Every check of the context's room reads this."""
+        """Positions left in the context after the cached ones: a step commits at most
+        this many tokens. Every check of the context's room reads this."""
         return self.max_seq_len - self.length
 
     def held(self) -> list[int]:
@@ -71,16 +92,8 @@ class SlotCache:
         return self.seq is seq
 
     def reset(self) -> None:
-        self.seq, self.length, self.mtp_len, self._module_out = [], 0, 0, None
-
-    def mask(self, pos: Tensor, last: int) -> Tensor:
-        """Which keys the queries at `pos` [S] may see [S, kv_len]: kv_len covers position
-        `last`, rounded up to the block."""
-        kv_len = min(self.max_seq_len, -(-(last + 1) // self.kv_block) * self.kv_block)
-        return self.positions[None, :kv_len] <= pos[:, None]
-
-    def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        return self.rope_tables[0][pos], self.rope_tables[1][pos]
+        self.seq, self.length, self.mtp_len = [], 0, 0
+        self.drafts, self.confidence = [], []
 
     def cut_to(self, tokens: list[int]) -> int:
         """Keep only what `tokens` shares with the cached sequence; the position to run the
@@ -90,6 +103,7 @@ class SlotCache:
         start = max(0, min(common_prefix(self.held(), tokens), len(tokens)) - 1)
         self.length = min(self.length, start)
         self.mtp_len = min(self.mtp_len, start)
+        self.drafts, self.confidence = [], []
         return start
 
     def hold(self, seq: list[int], length: int) -> None:
@@ -97,40 +111,30 @@ class SlotCache:
         self.seq, self.length = seq, length
         self.mtp_len = min(self.mtp_len, length)
 
-    def advance(self, n: int) -> None:
-        """A verify pass wrote the holder's next n positions."""
+    def advance(self, n: int, modules: bool) -> None:
+        """A step wrote the holder's next n positions (and the modules' too, if `modules`)."""
+        if modules and self.mtp_len == self.length:
+            self.mtp_len += n
         self.length += n
-
-    def modules_caught_up(self, out0: Tensor) -> None:
-        """Every module's entries now reach the trunk's; `out0` is module 0's output at the
-        last position [1, 1, H] (what the first draft is made from)."""
-        self.mtp_len = self.length
-        self._module_out = (self.length, out0)
-
-    def module_output(self) -> Tensor | None:
-        """Module 0's output at the last position if the modules are up to date, else None."""
-        out = self._module_out
-        if out is None or self.mtp_len != self.length or out[0] != self.length:
-            return None
-        return out[1]
 
 
 class SlotTable:
     """Slots by key, at most `size` of them; a new key recycles the least recently used."""
 
-    def __init__(self, make: Callable[[], SlotCache], size: int) -> None:
+    def __init__(self, size: int, max_seq_len: int) -> None:
         if size < 1:
             raise ValueError(f"need at least one KV-cache slot, got {size}")
-        self.size, self._make = size, make
-        self._slots: OrderedDict[Hashable, SlotCache] = OrderedDict({None: make()})
+        self.size = size
+        self._free = [Slot(i, max_seq_len) for i in reversed(range(size))]
+        self._slots: OrderedDict[Hashable, Slot] = OrderedDict()
 
-    def get(self, key: Hashable) -> SlotCache:
+    def get(self, key: Hashable) -> Slot:
         """The key's slot, made most recently used."""
         if key in self._slots:
             self._slots.move_to_end(key)
             return self._slots[key]
-        if len(self._slots) < self.size:
-            slot = self._make()
+        if self._free:
+            slot = self._free.pop()
         else:
             _, slot = self._slots.popitem(last=False)
             slot.reset()

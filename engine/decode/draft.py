@@ -1,146 +1,146 @@
-"""Drafting: bring each row's MTP modules up to its trunk, then chain drafts.
+"""Drafting: the MTP modules' chain of drafts after each row's pending token, and bringing a
+module's cache up to the trunk where it fell behind.
 
-After a verify the modules lag the trunk by the positions just verified (or more, after
-steps without drafts: K = 0 steps cost exactly an autoregressive step). Catching up runs
-them over those positions; module 0's output at the last one gives draft 1, and drafts
-k >= 2 chain module min(k, M) on the previous draft's hidden state, one position further
-on. Rows step together; a row with a stopping rule is asked after each of its drafts
-whether to go on, and the rows still drafting go on together.
+Module 0's output at the last cached position N-1 (made from h_{N-1} and the pending token
+x_N) gives draft 1; draft k >= 2 chains module min(k, M) on the previous draft's hidden
+state, one position further on. The chain's stopping rule runs on the device: a row goes on
+while the chance that all its drafts so far are accepted stays above the break-even point
+of its position (policy/chain.py), or while it has fewer than its floor; it never makes more
+than its limit. Rows that stop still run (the shapes are fixed); what they draft is not
+kept. On the CPU the chain may end early once no row goes on (`early_exit`): one host read
+per draft, which costs nothing there and saves the drafts nobody keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from engine.cache.slots import ContextOverflow
-from engine.decode.rows import Row, batch_kv
-from engine.decode.sampling import pick_rows
+from engine.cache.kv import CacheBatch
+from engine.cache.slots import Caches
+from engine.decode.policy.calibration import CONFIDENCE_BINS
+from engine.decode.random import DRAFT
+from engine.decode.sampling import RowSampling
+from engine.decode.state import ADAPTIVE, FLOOR, K_LIMIT, DecodeState
 from engine.model.transformer import Transformer
 
-GoOn = Callable[[float], bool]  # given a draft's probability: whether to draft another
+
+@dataclass(slots=True)
+class Chain:
+    """The draft chain's state for a batch of rows, between drafts."""
+
+    k_limit: Tensor  # [B] the most drafts a row keeps
+    floor: Tensor  # [B] the drafts the rule cannot cut
+    adaptive: Tensor  # [B] bool: whether the rule applies
+    count: Tensor  # [B] drafts kept so far
+    alive: Tensor  # [B] bool: whether the row's next draft is kept
+    survival: Tensor  # [B] float: the chance that all its drafts so far are accepted
+
+    @classmethod
+    def start(cls, state: DecodeState, slots: Tensor) -> Chain:
+        plan = state.plan[slots]
+        k_limit = plan[:, K_LIMIT]
+        return cls(k_limit, plan[:, FLOOR], plan[:, ADAPTIVE] > 0, torch.zeros_like(k_limit),
+                   k_limit > 0, torch.ones(k_limit.shape, device=k_limit.device))
+
+
+def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: Tensor,
+                out: Tensor, base: Tensor, k: int, kv_len: int, sampling: RowSampling, *,
+                confident: bool, early_exit: bool = False, draft: DraftFn | None = None,
+                span: tuple[int, int] | None = None) -> None:
+    """Draft up to k tokens for each row into its slot's buffers: out [B, 1, H], module 0's
+    output at position base - 1; base [B], the pending token's position. `draft`: the
+    function making one draft (`draft_one`, or a compiled copy of it)."""
+    draft = draft or draft_one
+    chain = Chain.start(state, slots)
+    tok = base  # unused by the first draft
+    m = 0
+    for j in range(1, k + 1):
+        step = state.draft_index[j:j + 1]  # [1], a tensor made once: no copy from the host
+        m_in, m = m, min(j, model.num_mtp) - 1
+        out, tok = draft(model, caches, state, slots, step, m_in, m, out, tok, base, kv_len,
+                         sampling, chain, confident=confident, first=j == 1, span=span)
+        if early_exit and j < k and not bool(chain.alive.any()):
+            break
+    state.num_drafts[slots] = chain.count
+
+
+DraftFn = Callable[..., tuple[Tensor, Tensor]]
+
+
+def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Tensor,
+              j: Tensor, m_in: int, m: int, out: Tensor, prev: Tensor, base: Tensor,
+              kv_len: int, sampling: RowSampling, chain: Chain, *, confident: bool,
+              first: bool, span: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """Draft j (a tensor [1], so that one compiled copy serves every j) for every row:
+    module m chains on `out`, module m_in's output at the previous position, and `prev`,
+    the previous draft [B] (the first draft reads module 0's output as it is). Writes the
+    draft, its probability and (sampled rows) its distribution into the slots' buffers;
+    advances `chain`. Returns the module's output [B, 1, H] and the draft [B]."""
+    if not first:
+        h = model.chain_hidden(m_in, out)
+        pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
+        out = model.mtp_forward(m, h, prev[:, None], caches.rope(pos),
+                                CacheBatch(slots, pos, kv_len, span), caches.modules[m])
+    logits = model.mtp_logits(m, out)  # [B, 1, V]
+    tok, q = sampling.pick(logits, (base + j)[:, None], DRAFT)  # for position base + j
+    conf = _confidence(logits, tok, q) if confident else torch.ones_like(chain.survival)
+    rows = slots[:, None]  # [B, 1] against j [1]: tensor indices, not a read of j's value
+    state.tokens[rows, j] = tok
+    state.confidence[rows, j - 1] = conf[:, None]
+    if q is not None:
+        state.draft_probs[rows, j - 1] = q
+    chain.count = chain.count + chain.alive.long()
+    chain.survival, go_on = chain_rule(state.chain_accept, state.chain_limit, j,
+                                       chain.survival, conf, chain.floor, chain.adaptive)
+    chain.alive = chain.alive & go_on & (j < chain.k_limit)
+    return out, tok[:, 0]
+
+
+def chain_rule(accept: Tensor, limit: Tensor, j: int | Tensor, survival: Tensor, conf: Tensor,
+               floor: Tensor, adaptive: Tensor) -> tuple[Tensor, Tensor]:
+    """After draft j of probability conf [B]: the chance that drafts 1..j are all accepted,
+    and whether to make draft j + 1 (`DraftChain.more`, for all rows at once; rows the rule
+    does not apply to always go on)."""
+    j = torch.as_tensor(j, device=conf.device).reshape(1)
+    survival = survival * accept[(j - 1).expand_as(conf), _bin(conf)]
+    return survival, (j < floor) | (survival > limit[j]) | ~adaptive
+
+
+def _confidence(logits: Tensor, tok: Tensor, q: Tensor | None) -> Tensor:
+    """Each row's probability of its draft [B]: under q when sampled, else the softmax's
+    top (one op more than an argmax)."""
+    top = torch.softmax(logits[:, 0].float(), -1).max(-1).values
+    if q is None:
+        return top
+    return q[:, 0].gather(-1, tok).squeeze(-1)
+
+
+def _bin(conf: Tensor) -> Tensor:
+    return (conf * CONFIDENCE_BINS).long().clamp(0, CONFIDENCE_BINS - 1)
 
 
 @torch.inference_mode()
-def catch_up(model: Transformer, rows: Sequence[Row]) -> Tensor:
-    """Bring every row's modules up to its trunk; module 0's last output per row [B, 1, H].
-
-    Rows with a short way to go (the tokens of the last step) run together, padded to the
-    longest; a row far behind (after a prefill) runs alone, in chunks."""
-    outs: dict[int, Tensor] = {b: out for b, r in enumerate(rows)
-                               if (out := r.slot.module_output()) is not None}
-    spans = [(min(r.slot.mtp_len, r.slot.length - 1), r.slot.length) for r in rows]
-    near = rows[0].drafts.k_max + 2  # a step's worth of positions
-    width = max((e - s for b, (s, e) in enumerate(spans) if b not in outs and e - s <= near),
-                default=0)
-    together = [b for b, (r, (s, e)) in enumerate(zip(rows, spans, strict=True))
-                if b not in outs and e - s <= near and s + width <= r.slot.max_seq_len]
-    outs.update({b: _catch_up_alone(model, r) for b, r in enumerate(rows)
-                 if b not in outs and b not in together})
-    if together:
-        outs.update(zip(together, _catch_up_together(
-            model, [rows[b] for b in together], [spans[b][0] for b in together], width),
-            strict=True))
-    return torch.cat([outs[b] for b in range(len(rows))])
-
-
-def _catch_up_alone(model: Transformer, row: Row, chunk: int = 512) -> Tensor:
-    slot = row.slot
-    n = slot.length
-    start = min(slot.mtp_len, n - 1)  # the last entry is recomputed: it yields draft 1
-    nxt = torch.tensor([row.seq[start + 1:n + 1]], device=slot.device)  # x_{t+1}
-    for s in range(start, n, chunk):
-        e = min(s + chunk, n)
-        pos = slot.positions[s:e]
-        mask = slot.mask(pos, e - 1)
-        outs = [model.mtp_forward(m, slot.hidden[:, s:e], nxt[:, s - start:e - start],
-                                  slot.rope(pos), pos, kv, mask)
-                for m, kv in enumerate(slot.mtp_kv)]
-    slot.modules_caught_up(outs[0][:, -1:])
+def catch_up(model: Transformer, caches: Caches, slot: int, seq: list[int], start: int,
+             end: int, chunk: int = 512) -> Tensor:
+    """Run every module over positions start..end-1 of one slot (entry t from h_t and
+    x_{t+1} = seq[t + 1]); module 0's output at end-1 [1, 1, H]."""
+    device = caches.device
+    nxt = torch.tensor([seq[start + 1:end + 1]], device=device)
+    index = torch.tensor([slot], device=device)
+    outs: list[Tensor] = []
+    for s in range(start, end, chunk):
+        e = min(s + chunk, end)
+        pos = torch.arange(s, e, device=device)[None]
+        batch = CacheBatch(index, pos, _blocks(e, caches.length), (slot, slot + 1))
+        h = caches.hidden[slot:slot + 1, s:e]
+        outs = [model.mtp_forward(m, h, nxt[:, s - start:e - start], caches.rope(pos), batch,
+                                  kv) for m, kv in enumerate(caches.modules)]
     return outs[0][:, -1:]
 
 
-def _catch_up_together(model: Transformer, rows: list[Row], starts: list[int],
-                       width: int) -> list[Tensor]:
-    slots = [r.slot for r in rows]
-    nxt = torch.tensor([r.seq[s + 1:r.slot.length + 1] + [0] * (width - r.slot.length + s)
-                        for r, s in zip(rows, starts, strict=True)], device=slots[0].device)
-    pos = torch.stack([slot.positions[s:s + width] for slot, s in zip(slots, starts,
-                                                                        strict=True)])
-    masks = [slot.mask(pos[i], s + width - 1)
-             for i, (slot, s) in enumerate(zip(slots, starts, strict=True))]
-    h = torch.cat([slot.hidden[:, s:s + width] for slot, s in zip(slots, starts, strict=True)])
-    per_module = [model.mtp_forward(m, h, nxt, slots[0].rope(pos), pos,
-                                    batch_kv([slot.mtp_kv[m] for slot in slots], masks))
-                  for m in range(model.num_mtp)]  # every module's cache catches up
-    outs = []
-    for i, (slot, s) in enumerate(zip(slots, starts, strict=True)):
-        out = per_module[0][i:i + 1, slot.length - s - 1:slot.length - s]
-        slot.modules_caught_up(out)
-        outs.append(out)
-    return outs
-
-
-@torch.inference_mode()
-def draft(model: Transformer, rows: Sequence[Row], ks: Sequence[int],
-          go_on: Sequence[GoOn | None] | None = None) -> None:
-    """Draft up to ks[b] tokens after row b's pending token into its drafts, all rows at
-    once. A row with a `go_on` rule is given each draft's probability under the module
-    (recorded in its drafts' `confidence`) and stops when the rule says so."""
-    for r, k in zip(rows, ks, strict=True):
-        r.drafts.count = k
-        r.drafts.confidence = []
-    live = [b for b, k in enumerate(ks) if k > 0]
-    if not live:
-        return
-    rows = [rows[b] for b in live]
-    rules = [go_on[b] for b in live] if go_on else [None] * len(live)
-    samplers = [r.sampler for r in rows]
-    k_top, m_count = max(ks), model.num_mtp
-    bases = [r.slot.length for r in rows]  # each row's pending token is x_base
-    if any(k_top > r.slot.room() for r in rows):
-        raise ContextOverflow(f"context of {rows[0].slot.max_seq_len} tokens has no room "
-                              f"for {k_top} drafts")
-    out, m = catch_up(model, rows), 0
-    asks = any(rule is not None for rule in rules)
-    tok, q, conf = pick_rows(samplers, model.mtp_logits(0, out)[:, 0], asks)
-    toks, probs = [tok], [q]
-    ends = [r.drafts.count for r in rows]
-    k_top = _stop_rows(rows, rules, ends, conf, 1)
-    step = 1
-    while step < k_top:
-        step += 1
-        h = model.chain_hidden(m, out)
-        m = min(step, m_count) - 1
-        ps = [base + step - 2 if m == 0 else base + step - 1 - m for base in bases]
-        pos = torch.stack([r.slot.positions[p:p + 1] for r, p in zip(rows, ps, strict=True)])
-        masks = [r.slot.mask(pos[b], p) for b, (r, p) in enumerate(zip(rows, ps, strict=True))]
-        out = model.mtp_forward(m, h, tok.view(-1, 1), rows[0].slot.rope(pos), pos,
-                                batch_kv([r.slot.mtp_kv[m] for r in rows], masks))
-        tok, q, conf = pick_rows(samplers, model.mtp_logits(m, out)[:, 0], asks)
-        toks.append(tok)
-        probs.append(q)
-        k_top = _stop_rows(rows, rules, ends, conf, step)
-    drafted = torch.stack(toks, dim=1)  # [B, K]
-    for b, r in enumerate(rows):
-        r.drafts.count = k = ends[b]
-        r.drafts.tokens[0, 1:k + 1] = drafted[b, :k]
-        r.drafts.probs = None if r.sampler.greedy else torch.stack(
-            [qs[b] for qs in probs[:k]])  # type: ignore[misc]
-
-
-def _stop_rows(rows: Sequence[Row], rules: Sequence[GoOn | None], ends: list[int],
-               conf: Tensor | None, made: int) -> int:
-    """After each row's draft number `made`: ask the rows with a rule and still drafting
-    whether to go on, given their draft's probability (`conf`, [B]), cutting `ends` where
-    they stop. Returns how far the batch drafts now."""
-    asking = [b for b, rule in enumerate(rules) if rule is not None and ends[b] >= made]
-    if asking and conf is not None:
-        values = conf.tolist()  # the one host sync of a draft position
-        for b in asking:
-            rows[b].drafts.confidence.append(values[b])
-            if ends[b] > made and not rules[b](values[b]):  # type: ignore[misc]
-                ends[b] = made
-    return max(ends)
+def _blocks(n: int, limit: int, block: int = 256) -> int:
+    return min(limit, -(-n // block) * block)

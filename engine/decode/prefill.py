@@ -1,52 +1,80 @@
-"""Prompts into a slot: run the tokens its cache lacks (the longest common prefix with what
-it holds is kept), then pick the first token; or take a slot back for an interrupted row."""
+"""Prompts into slots: run the tokens each slot's cache lacks (the longest common prefix with
+what it holds is kept), several slots in one pass, in chunks; then pick the first tokens.
+
+Rows whose spans are shorter than the pass's widest are padded: their padding tokens sit at
+the cache's last (scratch) position, which no real query reads.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from engine.cache.slots import ContextOverflow
-from engine.decode.rows import Row
+from engine.cache.kv import CacheBatch, span_of
+from engine.cache.slots import Caches, ContextOverflow, Slot
+from engine.decode.random import TARGET
+from engine.decode.sampling import RowSampling
 from engine.model.transformer import Transformer
 
 
+@dataclass(slots=True)
+class PrefillRow:
+    slot: Slot
+    seq: list[int]  # the slot is to hold seq[:n]
+    n: int
+
+
+def kv_blocks(n: int, limit: int, block: int = 256) -> int:
+    """Keys a forward reading positions < n attends over: n rounded up to a block (eager
+    forwards then take a few shapes, not one per length)."""
+    return min(limit, -(-n // block) * block)
+
+
 @torch.inference_mode()
-def sync(model: Transformer, row: Row, n: int, chunk: int = 512) -> int:
-    """Make the row's slot hold the first n tokens of its sequence in its trunk cache.
-    Returns how many positions were reused."""
-    slot, tokens = row.slot, row.seq[:n]
-    if n == 0:
-        raise ValueError("empty prompt")
-    spare = row.drafts.k_max + 2
-    if n + spare > slot.max_seq_len:
-        raise ContextOverflow(f"prompt of {n} tokens does not fit a context of "
-                              f"{slot.max_seq_len} (with {spare} spare)")
-    start = slot.cut_to(tokens)
-    ids = torch.tensor([tokens], dtype=torch.long, device=slot.device)
-    for s in range(start, n, chunk):
-        e = min(s + chunk, n)
-        pos = slot.positions[s:e]
-        slot.hidden[:, s:e] = model.trunk(ids[:, s:e], slot.rope(pos), pos, slot.trunk_kv,
-                                          slot.mask(pos, e - 1))
-    slot.hold(row.seq, n)
-    row.drafts.count = 0
-    return start
+def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: int,
+            chunk: int = 512) -> list[int]:
+    """Make each row's slot hold the first n tokens of its sequence in its trunk cache.
+    Returns how many positions each reused. `spare`: room a row must leave after them."""
+    for r in rows:
+        if r.n == 0:
+            raise ValueError("empty prompt")
+        if r.n + spare > r.slot.max_seq_len:
+            raise ContextOverflow(f"prompt of {r.n} tokens does not fit a context of "
+                                  f"{r.slot.max_seq_len} (with {spare} spare)")
+    starts = [r.slot.cut_to(r.seq[:r.n]) for r in rows]
+    device, scratch = caches.device, caches.length - 1
+    slots = torch.tensor([r.slot.index for r in rows], device=device)
+    longest = max(r.n - s for r, s in zip(rows, starts, strict=True))
+    for off in range(0, longest, chunk):
+        width = min(chunk, longest - off)
+        ids, pos = [], []
+        for r, s in zip(rows, starts, strict=True):
+            span = r.seq[s + off:min(s + off + width, r.n)]
+            ids.append(span + [0] * (width - len(span)))
+            pos.append(list(range(s + off, s + off + len(span))) + [scratch] * (width - len(span)))
+        tokens = torch.tensor(ids, device=device)
+        positions = torch.tensor(pos, device=device)  # [B, C]
+        real_end = max(min(s + off + width, r.n) for r, s in zip(rows, starts, strict=True))
+        batch = CacheBatch(slots, positions, kv_blocks(real_end, caches.length),
+                           span_of([r.slot.index for r in rows]))
+        h = model.trunk(tokens, caches.rope(positions), batch, caches.trunk)
+        caches.hidden[slots[:, None], positions] = h
+    for r in rows:
+        r.slot.hold(r.seq, r.n)
+    return starts
 
 
-def prefill(model: Transformer, row: Row, allowed: Tensor | None = None) -> tuple[int, int]:
-    """Run the whole sequence (the prompt) and append the first token to it. Returns (first
-    token, reused positions). `allowed` [V] restricts the first token (token healing)."""
-    reused = sync(model, row, len(row.seq))
-    with torch.inference_mode():
-        logits = model.head(row.slot.hidden[:, len(row.seq) - 1])
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        first, _ = row.sampler.pick(logits)
-    row.seq.append(int(first))
-    return row.seq[-1], reused
-
-
-def restore(model: Transformer, row: Row) -> int:
-    """Take the slot back for a row another one interrupted: all but its pending token."""
-    return sync(model, row, len(row.seq) - 1)
+@torch.inference_mode()
+def first_tokens(model: Transformer, caches: Caches, rows: list[PrefillRow],
+                 sampling: RowSampling, allowed: Tensor | None) -> Tensor:
+    """The token after each row's first n [B]: greedy or sampled at position n, among the
+    `allowed` tokens [B, V] (token healing) where given."""
+    slots = torch.tensor([r.slot.index for r in rows], device=caches.device)
+    last = torch.tensor([r.n - 1 for r in rows], device=caches.device)
+    logits = model.head(caches.hidden[slots, last])[:, None]  # [B, 1, V]
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    tok, _ = sampling.pick(logits, (last + 1)[:, None], TARGET)
+    return tok[:, 0]

@@ -1,7 +1,11 @@
-"""Grouped-query attention with optional QKV bias and q/k norm, over a slot's KV cache.
+"""Grouped-query attention with optional QKV bias and q/k norm, over the slots' KV caches.
 
-Eager today: a batch's projections run together, but attention runs per row (each slot has
-its own batch-1 cache and its own key length), and the mask's width follows the row's length.
+A cached forward writes each row's keys and values into its slot, then attends over a fixed
+number of keys (kv_len) with a mask built from the positions. The attention is written out
+(two matmuls and a float32 softmax) rather than a fused kernel: each query row's result is
+then computed the same way whatever else shares the call, so a position verified among
+drafts gives the bits it gives decoded alone (`engine/exec/invariance.py` checks this on the
+device at load). Training and references run whole sequences with the causal kernel.
 """
 
 from __future__ import annotations
@@ -10,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.cache.kv import LayerKV, RowsKV
+from engine.cache.kv import CacheBatch, KVCache
 from engine.model.config import ModelConfig
-from engine.model.layers import RMSNorm, apply_rope
+from engine.model.layers import RMSNorm, apply_rope, fuse_linears
 
 
 class Attention(nn.Module):
@@ -28,36 +32,45 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.fused: tuple[Tensor, Tensor | None] | None = None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], input_pos: Tensor,
-                kv: LayerKV | RowsKV | None, mask: Tensor | None) -> Tensor:
+    def fuse(self) -> None:
+        """Q, K and V as one matmul (see `fuse_linears`)."""
+        self.fused = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], batch: CacheBatch | None = None,
+                cache: KVCache | None = None) -> Tensor:
         bsz, seqlen, _ = x.shape
-        q = self.q_proj(x).view(bsz, seqlen, self.num_heads, self.head_dim)  # [B, S, H, D]
-        k = self.k_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)  # [B, S, Hkv, D]
-        v = self.v_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        hq, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.fused is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, *self.fused).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        q = q.view(bsz, seqlen, hq, hd)  # [B, S, H, D]
+        k = k.view(bsz, seqlen, hkv, hd)  # [B, S, Hkv, D]
+        v = v.view(bsz, seqlen, hkv, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        if kv is None:  # whole sequence at once (training, references): plain causal
+        if cache is None:  # whole sequences at once (training, references): plain causal
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        elif isinstance(kv, RowsKV):  # a batch: projections above shared, attention per row
-            y = torch.cat([_cached_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos, row, m)
-                           for b, (pos, row, m) in enumerate(zip(input_pos, kv.rows, kv.masks,
-                                                                 strict=True))])
         else:
-            assert mask is not None
-            y = _cached_attention(q, k, v, input_pos, kv, mask)
-        y = y.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)  # [B, S, H*D]
+            assert batch is not None
+            k_all, v_all = cache.update(batch, k, v)  # [B, Hkv, kv_len, D]
+            y = masked_attention(q, k_all, v_all, batch.mask)
+        y = y.transpose(1, 2).reshape(bsz, seqlen, hq * hd)  # [B, S, H*D]
         return self.o_proj(y)
 
 
-def _cached_attention(q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, kv: LayerKV,
-                      mask: Tensor) -> Tensor:
-    """Write k, v [1, Hkv, S, D] at `input_pos` [S], then attend over the first kv_len
-    positions (the mask's width), where the mask [S, kv_len] allows."""
-    kv_len = mask.shape[-1]
-    k_all, v_all = kv.update(input_pos, k, v)
-    return F.scaled_dot_product_attention(q, k_all[:, :, :kv_len], v_all[:, :, :kv_len],
-                                          attn_mask=mask, enable_gqa=True)
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(D), where mask) v, for q [B, H, S, D] against k, v [B, Hkv, T, D]
+    (each group of H / Hkv query heads shares a key head) and mask [B, 1, S, T]."""
+    bsz, hq, seqlen, hd = q.shape
+    hkv, group = k.shape[1], hq // k.shape[1]
+    qg = q.reshape(bsz, hkv, group * seqlen, hd)  # [B, Hkv, G*S, D]
+    scores = (qg @ k.transpose(-1, -2)).view(bsz, hkv, group, seqlen, -1) * hd ** -0.5
+    scores = scores.float().masked_fill(~mask[:, :, None], float("-inf"))  # [B, Hkv, G, S, T]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(bsz, hkv, group * seqlen, -1)
+    return (probs @ v).view(bsz, hq, seqlen, hd)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from engine.cache.kv import LayerKV, RowsKV
+from engine.cache.kv import CacheBatch, KVCache
 from engine.model.attention import Attention
 from engine.model.config import ModelConfig
 from engine.model.layers import MLP, RMSNorm
@@ -18,7 +18,11 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], input_pos: Tensor,
-                kv: LayerKV | RowsKV | None, mask: Tensor | None) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, input_pos, kv, mask)
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], batch: CacheBatch | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, batch, cache)
         return h + self.mlp(self.post_attention_layernorm(h))

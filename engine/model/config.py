@@ -236,6 +236,13 @@ PRESETS: dict[str, ModelConfig] = {
                                head_dim=64, qk_norm=True, tie_word_embeddings=True,
                                num_mtp_modules=1, rope_theta=10000.0,
                                max_position_embeddings=2048),
+    # Qwen2-1.5B's shapes with one MTP module, for `ahead bench engine --preset` (random
+    # weights, built in memory).
+    "qwen2-1.5b": ModelConfig(family="qwen2", vocab_size=151936, hidden_size=1536,
+                              intermediate_size=8960, num_layers=28, num_heads=12,
+                              num_kv_heads=2, head_dim=128, qkv_bias=True,
+                              tie_word_embeddings=True, num_mtp_modules=1, rope_theta=1e6,
+                              max_position_embeddings=32768),
     "tiny-llama": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_modules=1,
                               max_position_embeddings=1024),

@@ -27,15 +27,40 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """One weight (and bias) for several linear layers over the same input, so that they run
+    as one matmul; the layers' own parameters become views into it (no memory is added, and
+    loading, saving and training see them as before)."""
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        start = 0
+        for lin in linears:
+            end = start + lin.out_features
+            lin.weight.data = weight[start:end]
+            if bias is not None:
+                lin.bias.data = bias[start:end]
+            start = end
+    return weight, bias
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fused: tuple[Tensor, Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Gate and up as one matmul (see `fuse_linears`)."""
+        self.fused = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:

@@ -13,13 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from engine.cache.kv import LayerKV, RowsKV
+from engine.cache.kv import CacheBatch, KVCache
 from engine.model.block import DecoderBlock
 from engine.model.config import ModelConfig
 from engine.model.layers import RMSNorm
 
 Rope = tuple[Tensor, Tensor]
-KVs = Sequence[LayerKV] | Sequence[RowsKV]  # per layer: one sequence's, or a batch's
 
 
 class MTPModule(nn.Module):
@@ -32,10 +31,10 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_first = cfg.mtp_naming == "mimo"
 
-    def forward(self, h: Tensor, emb: Tensor, rope: Rope, input_pos: Tensor,
-                kvs: KVs | None, mask: Tensor | None) -> Tensor:
+    def forward(self, h: Tensor, emb: Tensor, rope: Rope, batch: CacheBatch | None = None,
+                caches: Sequence[KVCache] | None = None) -> Tensor:
         e, hn = self.enorm(emb), self.hnorm(h)
         x = self.eh_proj(torch.cat([hn, e] if self.hidden_first else [e, hn], dim=-1))  # [B, S, H]
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, input_pos, None if kvs is None else kvs[i], mask)
+            x = block(x, rope, batch, None if caches is None else caches[i])
         return x

@@ -8,14 +8,16 @@ full-sequence pass of training and references; decoding calls `trunk`, `mtp_forw
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.cache.kv import CacheBatch, KVCache
 from engine.model.block import DecoderBlock
 from engine.model.config import ModelConfig
 from engine.model.layers import RMSNorm, rope_tables
-from engine.model.mtp import KVs, MTPModule, Rope
+from engine.model.mtp import MTPModule, Rope
 
 
 class TrunkModel(nn.Module):
@@ -45,18 +47,26 @@ class Transformer(nn.Module):
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(h, w)
 
-    def trunk(self, tokens: Tensor, rope: Rope, input_pos: Tensor,
-              kvs: KVs | None = None, mask: Tensor | None = None) -> Tensor:
+    def fuse(self) -> None:
+        """Each block's Q, K, V and its gate and up projections as one matmul each, for
+        decoding (the parameters stay as they are, views into the fused weights)."""
+        for module in self.modules():
+            if isinstance(module, DecoderBlock):
+                module.fuse()
+
+    def trunk(self, tokens: Tensor, rope: Rope, batch: CacheBatch | None = None,
+              caches: Sequence[KVCache] | None = None) -> Tensor:
         """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, input_pos, None if kvs is None else kvs[i], mask)
+            x = layer(x, rope, batch, None if caches is None else caches[i])
         return self.model.norm(x)
 
-    def mtp_forward(self, i: int, h: Tensor, next_tokens: Tensor, rope: Rope, input_pos: Tensor,
-                    kvs: KVs | None = None, mask: Tensor | None = None) -> Tensor:
+    def mtp_forward(self, i: int, h: Tensor, next_tokens: Tensor, rope: Rope,
+                    batch: CacheBatch | None = None,
+                    caches: Sequence[KVCache] | None = None) -> Tensor:
         """Module i's pre-norm output [B, S, H] from hidden h_t and token x_{t+1}."""
-        return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, input_pos, kvs, mask)
+        return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, batch, caches)
 
     def mtp_logits(self, i: int, out: Tensor) -> Tensor:
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
@@ -75,13 +85,10 @@ class Transformer(nn.Module):
         """
         seqlen = tokens.shape[1]
         rope = rope_tables(self.cfg, seqlen, tokens.device, self.model.embed_tokens.weight.dtype)
-        pos = torch.arange(seqlen, device=tokens.device)
-        h = self.trunk(tokens, rope, pos)
+        h = self.trunk(tokens, rope)
         short = (rope[0][: seqlen - 1], rope[1][: seqlen - 1])
-        mtp_logits = [
-            self.mtp_logits(i, self.mtp_forward(i, h[:, :-1], tokens[:, 1:], short, pos[:-1]))
-            for i in range(self.num_mtp)
-        ]
+        mtp_logits = [self.mtp_logits(i, self.mtp_forward(i, h[:, :-1], tokens[:, 1:], short))
+                      for i in range(self.num_mtp)]
         return self.head(h), mtp_logits
 
 

@@ -36,20 +36,21 @@ class KPolicy:
         self.calibration = Calibration(k_max, prior=prior, prior_weight=prior_weight)
         self.probes = Probes(probe_every)
         self.plan_every = 8  # observed steps between refreshes of the draft chain's tables
-        self._plan: Plan | None = None
-        self._plan_at = self._observed = 0
+        self._plans: dict[int, tuple[Plan, int]] = {}  # rows -> (plan, when it was made)
+        self._observed = 0
         self.rate = 1.0 / self.cost(0)  # tokens per second expected at the last best K
 
     # Choosing K
 
-    def best(self, kind: TextKind) -> int:
-        """argmax_K E(K) / c(K) for this kind of text; remembers that rate as the run's."""
-        k, self.rate = best_k(self.acceptance.rates(kind), self.cost)
+    def best(self, kind: TextKind, rows: int = 1) -> int:
+        """argmax_K E(K) / c(K) for this kind of text in a step of `rows` rows; remembers
+        that rate as the run's."""
+        k, self.rate = best_k(self.acceptance.rates(kind), lambda k: self.cost(k, rows))
         return k
 
-    def choose(self, kind: TextKind) -> int:
+    def choose(self, kind: TextKind, rows: int = 1) -> int:
         """The best K, but now and then one more (`probing` says so)."""
-        return self.probes.choose(self.best(kind), self.k_max)
+        return self.probes.choose(self.best(kind, rows), self.k_max)
 
     @property
     def probing(self) -> bool:
@@ -58,20 +59,22 @@ class KPolicy:
     def chain(self, floor: int = 1) -> DraftChain:
         return DraftChain(self, floor)
 
-    def chain_plan(self) -> Plan:
-        """The draft chain's tables, refreshed every `plan_every` observed steps (they move
-        slowly, and a chain is made every step)."""
-        if self._plan is None or self._observed - self._plan_at >= self.plan_every:
-            self._plan_at = self._observed
-            self._plan = chain_plan(self.calibration, self.costs.curve)
-        return self._plan
+    def chain_plan(self, rows: int = 1) -> Plan:
+        """The draft chain's tables for steps of `rows` rows, refreshed every `plan_every`
+        observed steps (they move slowly, and a chain is made every step)."""
+        made = self._plans.get(rows)
+        if made is None or self._observed - made[1] >= self.plan_every:
+            made = self._plans[rows] = (chain_plan(self.calibration, self.costs.curve(rows)),
+                                        self._observed)
+        return made[0]
 
     # What a step did
 
     def observe(self, kind: TextKind, k: int, accepted: int, seconds: float | None = None,
                 confidences: Sequence[float] = ()) -> None:
-        """A step verified k drafts and accepted `accepted` of them; `seconds`: what it took,
-        when it ran alone; `confidences`: the module's probability for each draft, if known."""
+        """A row's step verified k drafts and accepted `accepted` of them; `seconds`: what
+        the step took, when it ran alone; `confidences`: the module's probability for each
+        draft, if known."""
         self._observed += 1
         self.acceptance.observe(kind, k, accepted)
         self.calibration.observe(k, accepted, tuple(confidences))
@@ -79,15 +82,20 @@ class KPolicy:
             self.costs.observe(k, seconds)
         self.probes.observe(k, accepted)
 
-    def set_costs(self, costs: list[float]) -> None:
-        """Measured seconds per step for each K: the cost curve to start from."""
+    def observe_step(self, k: int, seconds: float, rows: int) -> None:
+        """A step of `rows` rows and up to k drafts took `seconds`."""
+        self.costs.observe(k, seconds, rows)
+
+    def set_costs(self, costs: list[float] | Mapping[int, list[float]]) -> None:
+        """Measured seconds per step for each K (per number of rows): the curves to start
+        from."""
         self.costs.set(costs)
-        self._plan = None
+        self._plans.clear()
 
     # Reading it
 
-    def cost(self, k: int) -> float:
-        return self.costs.cost(k)
+    def cost(self, k: int, rows: int = 1) -> float:
+        return self.costs.cost(k, rows)
 
     @property
     def scale(self) -> float:
@@ -109,7 +117,9 @@ class KPolicy:
         """Acceptance per kind and position, and the step costs now, for `ahead status`."""
         return {"acceptance_by_position": {kind.value: [round(a, 3) for a in self.rates(kind)]
                                            for kind in TextKind},
-                "step_cost_ms": [round(self.cost(k) * 1000, 3) for k in range(self.k_max + 1)]}
+                "step_cost_ms": {str(rows): [round(self.cost(k, rows) * 1000, 3)
+                                        for k in range(self.k_max + 1)]
+                                 for rows in self.costs.curves}}
 
     # Across restarts
 
@@ -118,4 +128,4 @@ class KPolicy:
 
     def start_from(self, state: Mapping[str, Any]) -> None:
         store.start_from(self.acceptance, self.calibration, state)
-        self._plan = None
+        self._plans.clear()

@@ -1,0 +1,79 @@
+"""Step costs measured on the device at load: seconds per step for each K.
+
+A step of K means what the K policy prices: verify K drafts (K + 1 tokens) and draft K for
+the next step. Each K is timed on steps that follow one of the same K, at a context as long
+as an editor's prompt (attention over it is a good part of a step's cost). The Ks take
+turns, round after round, so that a disturbance of the machine (another process, a
+frequency change) spreads over all of them instead of bending one; each K's cost is the
+median of its rounds, made monotone (more drafts never cost less).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+from engine.decode.policy import monotone
+from engine.generation import Generation, GenParams, Step
+
+SLOT = ("ahead", "calibration")  # slot keys of their own (and a row number), cleared after
+
+
+class Stepper(Protocol):
+    """What measuring needs of an `Engine`."""
+
+    k_max: int
+    max_seq_len: int
+
+    def start(self, prompt: list[int], params: GenParams | None = None, *,
+              slot: Hashable = None) -> Generation: ...
+    def step(self, gens: Sequence[Generation]) -> list[Step | None]: ...
+    def clear_cache(self, slot: Hashable = None) -> None: ...
+
+
+def measure_costs(engine: Stepper, vocab_size: int, rows: Sequence[int] = (1,),
+                  reps: int = 7, context: int = 1024) -> dict[int, list[float]]:
+    """The cost curve of steps of each number of rows: every K for one row; for more rows,
+    K = 0, 1, 2, 4 and k_max with fewer rounds, the rest interpolated (a batch's curve has
+    the same shape, and load time matters)."""
+    if engine.k_max == 0:
+        return {r: [1.0] for r in rows}
+    n = max(1, min(context, engine.max_seq_len // 2))
+    warm = [(i * 7919 + 13) % vocab_size for i in range(n)]
+    curves = {}
+    for r in rows:
+        ks = list(range(engine.k_max + 1)) if r == 1 else \
+            sorted({k for k in (0, 1, 2, 4, engine.k_max) if k <= engine.k_max})
+        times = _rounds(engine, warm, r, ks, reps if r == 1 else max(2, reps // 2))
+        points = {k: statistics.median(t) for k, t in times.items()}
+        curves[r] = monotone([_interpolate(points, k) for k in range(engine.k_max + 1)])
+    for r in rows:
+        for i in range(r):
+            engine.clear_cache((*SLOT, i))
+    return curves
+
+
+def _rounds(engine: Stepper, warm: list[int], rows: int, ks: list[int],
+            reps: int) -> dict[int, list[float]]:
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(reps + 1):  # the first round warms up every K's shapes
+        for k in ks:
+            gens = [engine.start(warm, GenParams(max_new_tokens=64, k=k), slot=(*SLOT, i))
+                    for i in range(rows)]
+            engine.step(gens)  # the prefills (the caches keep all of them but the last token)
+            engine.step(gens)  # verifies the first drafts, drafts k
+            t0 = time.perf_counter()
+            engine.step(gens)  # verifies k, drafts k
+            if rep:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _interpolate(points: dict[int, float], k: int) -> float:
+    if k in points:
+        return points[k]
+    lo = max(p for p in points if p < k)
+    hi = min(p for p in points if p > k)
+    return points[lo] + (points[hi] - points[lo]) * (k - lo) / (hi - lo)

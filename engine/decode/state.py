@@ -1,0 +1,55 @@
+"""What the decode step keeps on the device between steps, one row per slot.
+
+Every input of a step lives in one of these buffers, written by the host before the step
+(a row of a few numbers per slot) and read by the step through the batch's slot indices:
+so a step is a function of fixed-shape tensors and can be captured as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.decode.policy.calibration import CONFIDENCE_BINS
+
+# Columns of `plan`: drafts a row may keep, drafts it keeps whatever the chain rule says,
+# whether the chain rule applies (adaptive K).
+K_LIMIT, FLOOR, ADAPTIVE = 0, 1, 2
+
+
+class DecodeState:
+    def __init__(self, num_slots: int, k_max: int, vocab_size: int,
+                 device: torch.device) -> None:
+        s, k = num_slots, max(k_max, 1)
+        self.k_max, self.device = k_max, device
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.tokens = zeros(s, k_max + 1)  # the pending token, then the drafts
+        self.num_drafts = zeros(s)
+        self.lengths = zeros(s)  # positions the trunk has cached (the pending one's)
+        self.plan = zeros(s, 3)  # see K_LIMIT, FLOOR, ADAPTIVE
+        self.temperature = zeros(s, dtype=torch.float32)  # 0: greedy
+        self.top_p = torch.ones(s, device=device)
+        self.seed = zeros(s)
+        self.confidence = zeros(s, k, dtype=torch.float32)  # each draft's probability
+        self.draft_probs = zeros(s, k, vocab_size, dtype=torch.float32)  # q, for sampled rows
+        # The draft chain's rule (see policy/chain.py): per draft position and bin of the
+        # draft's probability, its chance of acceptance; per number of drafts, the survival
+        # below which the chain stops.
+        self.chain_accept = zeros(k, CONFIDENCE_BINS, dtype=torch.float32)
+        self.chain_limit = zeros(k + 1, dtype=torch.float32)
+        self.draft_index = torch.arange(k + 1, device=device)  # j as a tensor, made once
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: value for name, value in vars(self).items()
+                if isinstance(value, torch.Tensor)}
+
+    def set_rows(self, slots: list[int], **columns: Sequence[object]) -> None:
+        """Write host values into the named per-slot buffers (temperature=[...], ...)."""
+        index = torch.tensor(slots, device=self.device)
+        for name, values in columns.items():
+            buf = getattr(self, name)
+            buf[index] = torch.tensor(values, dtype=buf.dtype).to(self.device)

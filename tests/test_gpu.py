@@ -1,0 +1,77 @@
+"""The CUDA paths (run them all with `python -m pytest -m gpu` on a machine with a GPU):
+graph replay gives the bits of the same step run eagerly; speculative output equals plain
+decoding in bf16 with three slots; replaying does not grow memory; graphs off still works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, GenParams
+from tests.test_identity import code_prompts, run_batched
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason="needs a CUDA device")]
+
+
+def load(model_dir: Path, **kw: object) -> Engine:
+    return Engine.load(model_dir, device="cuda", dtype=torch.bfloat16, max_seq_len=1024,
+                       slots=3, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def graphed(model_dir: Path) -> Engine:
+    return load(model_dir, graphs=True, compile=False)
+
+
+def trace(engine: Engine, prompts: list[list[int]], ks: tuple[int | None, ...]) -> list:
+    """Every step's committed tokens and waiting drafts, for three slots decoding together."""
+    gens = [engine.start(p, GenParams(32, k=k), slot=("trace", i))
+            for i, (p, k) in enumerate(zip(prompts, ks, strict=True))]
+    seen = []
+    while live := [g for g in gens if g.finish_reason is None]:
+        engine.step(live)
+        seen.append([(list(g.tokens), engine.drafts(g.slot)) for g in gens])
+    return seen
+
+
+def test_graph_replay_equals_the_eager_step(graphed: Engine, model_dir: Path) -> None:
+    eager = load(model_dir, graphs=False, compile=False, fixed_shapes=True)
+    prompts = code_prompts(graphed, 3)
+    for ks in ((1, 8, None), (None, None, 4)):
+        assert trace(graphed, prompts, ks) == trace(eager, prompts, ks)
+    assert graphed.graphs and graphed.captured > 0
+
+
+def test_bf16_three_slots_equal_plain_decoding(graphed: Engine) -> None:
+    prompts = code_prompts(graphed, 3)
+    alone = [graphed.generate(p, GenParams(n, speculative=False), slot="alone").tokens
+             for p, n in zip(prompts, (40, 25, 33), strict=True)]
+    for ks in ((1, 8, None), (None, 3, 5)):
+        params = [GenParams(n, k=k) for n, k in zip((40, 25, 33), ks, strict=True)]
+        assert run_batched(graphed, prompts, params) == alone
+
+
+def test_replaying_does_not_grow_memory(graphed: Engine) -> None:
+    prompt = code_prompts(graphed, 1)[0]
+    graphed.generate(prompt, GenParams(64), slot="mem")  # warm: every graph captured
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    steps = 0
+    while steps < 1000:
+        gen = graphed.start(prompt, GenParams(200), slot="mem")
+        for _ in gen:
+            steps += 1
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+
+
+def test_graphs_off_still_decodes_exactly(model_dir: Path) -> None:
+    engine = load(model_dir, graphs=False, compile=False)
+    for prompt in code_prompts(engine, 2):
+        plain = engine.generate(prompt, GenParams(48, speculative=False)).tokens
+        for k in (2, 8, None):
+            assert engine.generate(prompt, GenParams(48, k=k)).tokens == plain
