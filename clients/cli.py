@@ -23,6 +23,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
     from training.corpus import heldout_stdlib_files
 
+    if args.preset or args.slots > 1 or args.context:
+        return _bench_steps(args)
     engine = load_engine(args)
     files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
@@ -42,6 +44,37 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result["model"] = str(model_dir(args))
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _bench_steps(args: argparse.Namespace) -> int:
+    from clients.bench.steps import bench_steps, format_report, preset_engine
+    from clients.common import engine_options
+
+    opts = engine_options(args)
+    if args.preset:
+        try:
+            engine = preset_engine(args.preset, **opts)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        name = args.preset
+    else:
+        engine = load_engine(args)
+        name = str(model_dir(args))
+    ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
+
+    def progress(what: str) -> None:
+        print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    result = bench_steps(engine, context=args.context or 2000,
+                         new_tokens=args.max_new_tokens, ks=ks, slots=args.slots,
+                         progress=progress)
+    result |= {"preset": name, "device": str(engine.device),
+               "dtype": str(engine.dtype).removeprefix("torch."),
+               "graphs": engine.graphs, "compiled": engine.compiled}
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -197,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-new-tokens", type=int, default=64)
     eng.add_argument("--ks", help="fixed Ks to run, comma-separated (default: 1..k-max)")
     eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--preset", help="time the step on a model of these shapes with random "
+                     "weights, built in memory (e.g. qwen2-1.5b); prompts are random tokens")
+    eng.add_argument("--slots", type=int, default=1,
+                     help="also run this many prompts batched, each checked against its own "
+                     "plain decoding (step timings mode)")
+    eng.add_argument("--context", type=int, help="prompt tokens in step timings mode "
+                     "(default 2000)")
     eng.add_argument("--json", help="write the results to this file")
     eng.set_defaults(func=cmd_bench_engine)
     pipe = bench_sub.add_parser("pipeline", help="a typing burst from several editors "

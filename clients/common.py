@@ -32,18 +32,27 @@ def model_dir(args: argparse.Namespace) -> Path:
     return path
 
 
-def load_engine(args: argparse.Namespace) -> Any:
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine.load's keyword arguments from the flags, the config file and AHEAD_*."""
     import torch
 
-    from engine import Engine
+    from daemon.config import SWITCHES, switch
 
     cfg = settings()  # flags win over the config file and AHEAD_* variables
     device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     dtype = dtypes[args.dtype or cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
-    return Engine.load(model_dir(args), device=device, dtype=dtype,
-                       max_seq_len=args.max_seq_len or cfg.max_seq_len,
-                       k_max=cfg.k_max if args.k_max is None else args.k_max, slots=cfg.slots)
+    return {"device": device, "dtype": dtype, "max_seq_len": args.max_seq_len or cfg.max_seq_len,
+            "k_max": cfg.k_max if args.k_max is None else args.k_max,
+            "slots": getattr(args, "slots", None) or cfg.slots,
+            **{name: switch(getattr(args, name, None) or getattr(cfg, name))
+               for name in SWITCHES}}
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    from engine import Engine
+
+    return Engine.load(model_dir(args), **engine_options(args))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -54,13 +63,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
     p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
-
+    for name, what in (("graphs", "replay the decode step as CUDA graphs"),
+                       ("compile", "torch.compile the decode step"),
+                       ("exact", "keep output bit-identical to plain decoding even where "
+                        "that costs speed (fp32 on the CPU)")):
+        p.add_argument(f"--{name}", choices=["auto", "on", "off"],
+                       help=f"{what} (default: the config's, else auto)")
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     """The model flags given, passed on to a daemon this command starts."""
     out = []
-    for flag in ("model", "device", "dtype", "max_seq_len", "k_max"):
+    for flag in ("model", "device", "dtype", "max_seq_len", "k_max", "graphs", "compile",
+                 "exact"):
         value = getattr(args, flag, None)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]

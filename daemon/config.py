@@ -8,6 +8,10 @@
     k_max = 8
     slots = 4                        # KV-cache slots (documents kept warm)
     threads = 0                      # CPU threads for the model; 0: all cores but one
+    graphs = "auto"                  # CUDA graphs for the decode step: auto (on CUDA) | on | off
+    compile = "auto"                 # torch.compile the step: auto (on CUDA) | on | off
+    exact = "auto"                   # bit-identical to plain decoding even where it costs:
+                                     # auto (all but fp32 on the CPU) | on | off
 
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
@@ -20,6 +24,13 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+SWITCHES = ("graphs", "compile", "exact")
+
+
+def switch(value: str | None) -> bool | None:
+    """auto -> None (the engine decides), on -> True, off -> False."""
+    return None if value in (None, "auto") else value == "on"
 
 
 class ConfigFileError(ValueError):
@@ -36,8 +47,15 @@ class Settings:
     k_max: int = 8
     slots: int = 4
     threads: int = 0
+    graphs: str = "auto"
+    compile: str = "auto"
+    exact: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in SWITCHES:
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ConfigFileError(f"{name} must be auto, on or off, not "
+                                      f"{getattr(self, name)!r}")
         if self.dtype not in (None, "fp32", "bf16", "fp16"):
             raise ConfigFileError(f"dtype must be fp32, bf16 or fp16, not {self.dtype!r}")
         for name in ("max_seq_len", "slots"):
@@ -58,6 +76,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     try:
         if "float" in kind:
             return float(value)
+        if isinstance(value, bool):  # `graphs = false` in TOML
+            return "on" if value else "off"
         if "int" in kind:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)

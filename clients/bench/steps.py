@@ -1,0 +1,196 @@
+"""`ahead bench engine --preset NAME`: the decode step on a model of real shapes.
+
+The model is built in memory with random weights (nothing is downloaded), so what is
+measured is the machinery, not the model: the prefill of a long prompt, the plain-decoding
+step and the step at each K, the kernels a step launches, the weight bytes a plain step
+reads against the device's own copy bandwidth measured in the same run, and that every
+speculative output equals plain decoding (alone, and with `slots` prompts batched).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine import Engine, GenParams
+from engine.bundled import bundled_model_dir
+from engine.model.config import PRESETS
+from engine.model.transformer import Transformer
+from engine.tokenizer import Tokenizer
+
+Progress = Callable[[str], None]
+
+
+def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: int,
+                  k_max: int, slots: int, compile: bool | None = None,
+                  graphs: bool | None = None) -> Engine:
+    """An engine on the preset's shapes with random weights (any tokenizer does: token ids
+    past its vocabulary decode to nothing)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(PRESETS[name]).eval()
+    finally:
+        torch.set_default_dtype(default)
+    bundled = bundled_model_dir()
+    if bundled is None:
+        raise ValueError("the bundled model's tokenizer is missing from this install")
+    tokenizer = Tokenizer.from_dir(bundled)
+    engine = Engine(model, tokenizer, max_seq_len=max_seq_len, k_max=k_max, slots=slots,
+                    compile=compile, graphs=graphs)
+    engine.calibrate()
+    return engine
+
+
+def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
+                ks: list[int] | None = None, slots: int = 1,
+                progress: Progress | None = None) -> dict[str, Any]:
+    say = progress or (lambda _: None)
+    vocab = engine.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    context = min(context, engine.prompt_budget(new_tokens))
+    prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
+    ks = ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]
+    out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots}
+    say("prefill")
+    out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
+    say("plain decoding")
+    plain, ar_steps = _timed(engine, prompts[0], GenParams(new_tokens, speculative=False))
+    out["ar_step_ms"] = statistics.median(ar_steps) * 1e3
+    out["ar_tokens_per_s"] = 1e3 / out["ar_step_ms"]
+    identical = True
+    out["step_ms_by_k"] = {}
+    for k in ks:
+        say(f"K={k}")
+        tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, k=k))
+        identical &= tokens == plain
+        out["step_ms_by_k"][str(k)] = statistics.median(times) * 1e3
+    tokens, times = _timed(engine, prompts[0], GenParams(new_tokens))
+    identical &= tokens == plain
+    out["adaptive_tokens_per_s"] = len(tokens) / sum(times)
+    if slots > 1:
+        say(f"{slots} slots batched")
+        out |= _batched(engine, prompts, new_tokens)
+        identical &= out.pop("batched_identical")
+    out["identical_to_ar"] = identical
+    say("kernels and bandwidth")
+    out["launches_per_ar_step"] = _launches(engine, prompts[0])
+    weight_bytes = _weight_bytes(engine.model)
+    out["weight_mb"] = weight_bytes / 1e6
+    out["copy_gb_per_s"] = _copy_bandwidth(engine.device) / 1e9
+    achieved = weight_bytes / (out["ar_step_ms"] / 1e3)
+    out["weight_bandwidth_share"] = achieved / (out["copy_gb_per_s"] * 1e9)
+    return out
+
+
+def _prefill_s(engine: Engine, prompt: list[int]) -> float:
+    engine.clear_cache("bench")
+    gen = engine.start(prompt, GenParams(1, speculative=False), slot="bench")
+    _sync(engine)
+    t0 = time.perf_counter()
+    engine.step([gen])
+    return time.perf_counter() - t0
+
+
+def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[list[int], list[float]]:
+    """A generation's tokens and the seconds of each step after its prefill."""
+    engine.clear_cache("bench")
+    gen = engine.start(prompt, params, slot="bench")
+    engine.step([gen])
+    times = []
+    while gen.finish_reason is None:
+        t0 = time.perf_counter()
+        engine.step([gen])  # ends with the host reading the step's result: synchronised
+        times.append(time.perf_counter() - t0)
+    return gen.tokens, times
+
+
+def _batched(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    alone = [engine.generate(p, GenParams(new_tokens, speculative=False), slot="bench").tokens
+             for p in prompts]
+    gens = [engine.start(p, GenParams(new_tokens), slot=("batch", i))
+            for i, p in enumerate(prompts)]
+    engine.step(gens)
+    t0 = time.perf_counter()
+    while live := [g for g in gens if g.finish_reason is None]:
+        engine.step(live)
+    seconds = time.perf_counter() - t0
+    return {"batched_tokens_per_s": sum(len(g.tokens) - 1 for g in gens) / seconds,
+            "batched_identical": [g.tokens for g in gens] == alone}
+
+
+def _launches(engine: Engine, prompt: list[int], steps: int = 8) -> float:
+    """Device kernels (CUDA) or operators (CPU) per plain-decoding step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.clear_cache("bench")
+    gen = engine.start(prompt, GenParams(steps + 2, speculative=False), slot="bench")
+    engine.step([gen])
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step([gen])
+    events = prof.events()
+    if cuda:
+        count = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    else:
+        count = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
+    return count / steps
+
+
+def _weight_bytes(model: Transformer) -> int:
+    """What one plain step reads: the trunk's weights and the head (not the MTP modules)."""
+    skip = {id(p) for p in model.mtp.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, reps: int = 5) -> float:
+    """Bytes per second a device-to-device copy moves (read plus write), median of reps."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        _sync_device(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times[1:])
+
+
+def _sync(engine: Engine) -> None:
+    _sync_device(engine.device)
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_report(r: dict[str, Any]) -> str:
+    by_k = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["step_ms_by_k"].items())
+    unit = "kernels" if r.get("device", "cpu").startswith("cuda") else "operators"
+    lines = [
+        f"{r.get('preset', 'model')} on {r.get('device')} {r.get('dtype')}: context "
+        f"{r['context']}, {r['new_tokens']} new tokens",
+        f"prefill of {r['context']} tokens: {r['prefill_ms']:.1f} ms",
+        f"plain decoding step: {r['ar_step_ms']:.2f} ms ({r['ar_tokens_per_s']:.1f} tokens/s)",
+        f"step ms by K: {by_k}",
+        f"adaptive K: {r['adaptive_tokens_per_s']:.1f} tokens/s",
+        f"{unit} per plain step: {r['launches_per_ar_step']:.0f}",
+        f"weights {r['weight_mb']:.0f} MB per step / step time = "
+        f"{r['weight_bandwidth_share'] * 100:.0f}% of the copy bandwidth "
+        f"({r['copy_gb_per_s']:.0f} GB/s, measured in this run)",
+    ]
+    if "batched_tokens_per_s" in r:
+        lines.append(f"{r['slots']} slots batched: {r['batched_tokens_per_s']:.1f} tokens/s")
+    lines.append(f"identical to plain decoding: {r['identical_to_ar']}")
+    return "\n".join(lines)
