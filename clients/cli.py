@@ -7,6 +7,7 @@ commands (and, later, `ahead lsp`) start fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -38,8 +39,22 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         print(f"\rbench: prompt {done}/{total}", end="" if done < total else "\n",
               file=sys.stderr, flush=True)
 
-    result = bench_engine(engine, prompts, max_new_tokens=args.max_new_tokens, ks=ks,
-                          progress=progress)
+    with contextlib.ExitStack() as stack:
+        peer = None
+        if args.peer:
+            import torch
+
+            from clients.bench.peer import LlamaServer, PeerError
+            if not args.peer_model:
+                raise CliError("--peer needs --peer-model (the same model as a GGUF file)")
+            try:
+                peer = stack.enter_context(LlamaServer(
+                    Path(args.peer), Path(args.peer_model), threads=torch.get_num_threads(),
+                    context=engine.max_seq_len)).complete
+            except PeerError as e:
+                raise CliError(str(e)) from None
+        result = bench_engine(engine, prompts, max_new_tokens=args.max_new_tokens, ks=ks,
+                              peer=peer, progress=progress)
     result["heldout_loss"] = heldout_loss(engine, files)
     result["model"] = str(model_dir(args))
     result["device"] = str(engine.device)
@@ -237,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "plain decoding (step timings mode)")
     eng.add_argument("--context", type=int, help="prompt tokens in step timings mode "
                      "(default 2000)")
+    eng.add_argument("--peer", metavar="LLAMA_SERVER",
+                     help="also decode every prompt with this llama-server binary, greedy, "
+                     "on as many threads (needs --peer-model)")
+    eng.add_argument("--peer-model", metavar="GGUF",
+                     help="the same model for the peer, as GGUF (without its MTP modules)")
     eng.add_argument("--json", help="write the results to this file")
     eng.set_defaults(func=cmd_bench_engine)
     pipe = bench_sub.add_parser("pipeline", help="a typing burst from several editors "

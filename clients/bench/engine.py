@@ -20,6 +20,9 @@ import torch.nn.functional as F
 
 from engine import Engine, Generation, GenParams
 
+# Another engine: greedy tokens after the prompt ids, and its decode rate in tokens/s.
+Peer = Callable[[list[int], int], tuple[list[int], float]]
+
 
 @dataclass(slots=True)
 class CursorPrompt:
@@ -92,8 +95,10 @@ def _run(engine: Engine, prompt: CursorPrompt, params: GenParams) -> Generation:
 
 
 def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens: int = 64,
-                 ks: list[int] | None = None,
+                 ks: list[int] | None = None, peer: Peer | None = None,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Every prompt in every mode; with `peer`, also in another engine (greedy tokens and
+    its decode rate for prompt ids and a number of new tokens), after ours."""
     ks = list(range(1, engine.k_max + 1)) if ks is None else ks
     modes: dict[str, GenParams] = {"ar": GenParams(max_new_tokens, speculative=False)}
     if engine.k_max:
@@ -105,6 +110,8 @@ def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens:
     k_hist: Counter[int] = Counter()
     acc_pos: list[list[int]] = [[0, 0] for _ in range(engine.k_max)]
     identical, line_hits = True, 0
+    peer_rates: list[float] = []
+    peer_same: list[bool] = []  # per prompt without a forced start: the peer's tokens ours?
     for n, prompt in enumerate(prompts):
         ar_tokens: list[int] = []
         for mode, params in modes.items():
@@ -125,10 +132,29 @@ def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens:
                 for i, (a, v) in enumerate(zip(s.accepted_by_pos, s.verified_by_pos, strict=True)):
                     acc_pos[i][0] += a
                     acc_pos[i][1] += v
+        if peer is not None:
+            tokens, rate = peer(prompt.ids, max_new_tokens)
+            peer_rates.append(rate)
+            if not prompt.forced:
+                peer_same.append(tokens[:len(ar_tokens)] == ar_tokens)
         if progress:
             progress(n + 1, len(prompts))
     out = _summary(modes, rates, steps, k_hist, acc_pos, identical, len(prompts))
     out["first_line_exact_match"] = line_hits / len(prompts)
+    if peer is not None:
+        out["peer"] = _peer_summary(rates, peer_rates, peer_same)
+    return out
+
+
+def _peer_summary(rates: dict[str, list[float | None]], peer_rates: list[float],
+                  peer_same: list[bool]) -> dict[str, Any]:
+    timed = [i for i, r in enumerate(rates["ar"]) if r is not None]
+    out: dict[str, Any] = {"tokens_per_s": statistics.median(peer_rates[i] for i in timed),
+                           "same_tokens": sum(peer_same), "compared": len(peer_same)}
+    for mode in ("ar", "adaptive"):
+        if mode in rates:  # ours over the peer's, per prompt
+            out[f"{mode}_vs_peer"] = statistics.median(
+                (rates[mode][i] or 0.0) / peer_rates[i] for i in timed)
     return out
 
 
@@ -178,6 +204,14 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"adaptive K histogram (K:steps): {hist}")
         vs = " ".join(f"K={k}:{r:.3f}" for k, r in result["adaptive"]["vs_fixed"].items())
         lines.append(f"adaptive / fixed K, median of per-prompt ratios: {vs or '-'}")
+    if "peer" in result:
+        peer = result["peer"]
+        vs = ", ".join(f"{'autoregressive' if m == 'ar' else m} {peer[f'{m}_vs_peer']:.2f}x"
+                       for m in ("ar", "adaptive") if f"{m}_vs_peer" in peer)
+        lines.append(f"peer (llama-server, greedy, same threads): {peer['tokens_per_s']:.1f} "
+                     f"tokens/s; ours vs the peer, median of per-prompt ratios: {vs}; "
+                     f"same tokens as ours: {peer['same_tokens']} of {peer['compared']} "
+                     "prompts without a forced start")
     lines.append(f"first line exact match: {result['first_line_exact_match']:.2f}")
     if "heldout_loss" in result:
         lines.append(f"held-out loss (nats/token): {result['heldout_loss']:.3f}")
