@@ -16,6 +16,7 @@ from pathlib import Path
 
 from clients import daemon_cmds, generate_cmds
 from clients.common import CliError, add_model_args, load_engine, model_dir
+from daemon.config import BACKENDS, FIM_TEMPLATES
 
 EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
@@ -110,11 +111,20 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
         print(f"\rbench: round {done}/{total}", end="" if done < total else "\n",
               file=sys.stderr, flush=True)
 
+    serve_args = []
+    if args.backend == "openai":  # the daemon builds the prompts with --model's tokenizer
+        if not args.url:
+            raise CliError("--backend openai needs --url (the server's API)")
+        serve_args = ["--backend", "openai", "--url", args.url,
+                      "--tokenizer", args.tokenizer or str(model_dir(args))]
+        serve_args += ["--served-model", args.served_model] if args.served_model else []
+        serve_args += ["--fim-template", args.fim_template] if args.fim_template else []
     try:
         result = asyncio.run(bench_pipeline(model_dir(args), files, clients=args.clients,
                                             keystrokes=args.keystrokes,
                                             interval_ms=args.interval_ms, seed=args.seed,
-                                            rounds=args.rounds, progress=progress))
+                                            rounds=args.rounds, serve_args=serve_args,
+                                            progress=progress))
     except ValueError as e:
         raise CliError(str(e)) from None
     print(format_report(result))
@@ -270,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--seed", type=int, default=0)
     pipe.add_argument("--rounds", type=int, default=3,
                       help="bursts from new cursor positions, pooled (default: 3)")
+    pipe.add_argument("--backend", choices=BACKENDS, default="local",
+                      help="openai: the daemon in front of the server at --url")
+    pipe.add_argument("--url", help="the remote server's API, e.g. http://127.0.0.1:8080/v1")
+    pipe.add_argument("--tokenizer", help="the served model's tokenizer directory "
+                      "(default: --model's)")
+    pipe.add_argument("--served-model", help="the model name the server serves")
+    pipe.add_argument("--fim-template", choices=FIM_TEMPLATES)
     pipe.add_argument("--json", help="write the results to this file")
     pipe.set_defaults(func=cmd_bench_pipeline)
     lspb = bench_sub.add_parser("lsp", help="the language server's own time per completion")

@@ -11,13 +11,14 @@ import sys
 from typing import Any
 
 from clients.common import CliError, add_model_args, load_engine, model_dir
+from daemon.config import BACKENDS, FIM_TEMPLATES
 
 log = logging.getLogger("ahead.daemon")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from daemon import paths
-    from daemon.config import config_path, load_settings
+    from daemon.config import config_path
     from daemon.instance import AlreadyRunning, InstanceLock
     from daemon.server import Server
 
@@ -33,17 +34,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         handlers.append(logging.StreamHandler())
     logging.basicConfig(level=logging.INFO, handlers=handlers,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_settings()
-    _set_threads(cfg.threads if args.threads is None else args.threads)
-    engine = load_engine(args)
-    def loader(path: Any) -> Any:  # the same flags, another model directory
-        return load_engine(argparse.Namespace(**{**vars(args), "model": str(path)}))
-
+    cfg = serve_settings(args)
+    try:
+        http = _http_endpoint(cfg.http, args.no_auth) if cfg.http else None
+        backend, name = _remote(cfg) if cfg.backend == "openai" else _local(args, cfg)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     idle = cfg.idle_timeout if args.idle_timeout is None else args.idle_timeout
-    server = Server(engine, paths.socket_path(), lock, model_name=str(model_dir(args)),
-                    idle_timeout=idle, stats_path=paths.state_dir() / "stats.json",
-                    loader=loader, watch_debounce_ms=None if args.no_watch else 1500,
-                    config_file=config_path(), policy_dir=paths.state_dir())
+    server = Server(backend, paths.socket_path(), lock, model_name=name, idle_timeout=idle,
+                    stats_path=paths.state_dir() / "stats.json",
+                    watch_debounce_ms=None if args.no_watch else 1500,
+                    config_file=config_path(), http=http)
 
     def ready() -> None:
         if args.ready_fd is not None:  # started by a client: say so, then detach from it
@@ -55,6 +56,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     asyncio.run(server.serve(on_ready=ready))
     return 0
+
+
+SETTING_FLAGS = ("backend", "url", "served_model", "api_key_env", "fim_template", "tokenizer",
+                 "http", "max_seq_len")
+
+
+def serve_settings(args: argparse.Namespace) -> Any:
+    """The config file's settings and AHEAD_* variables, with the flags given over them."""
+    import dataclasses
+
+    from daemon.config import ConfigFileError, load_settings
+
+    flags = {f: getattr(args, f) for f in SETTING_FLAGS if getattr(args, f, None) is not None}
+    try:
+        return dataclasses.replace(load_settings(), **flags)
+    except ConfigFileError as e:
+        raise CliError(str(e)) from None
+
+
+def _local(args: argparse.Namespace, cfg: Any) -> tuple[Any, str]:
+    from daemon import paths
+    from daemon.backends.local import LocalBackend
+
+    _set_threads(cfg.threads if args.threads is None else args.threads)
+    engine = load_engine(args)
+
+    def loader(path: Any) -> Any:  # the same flags, another model directory
+        return load_engine(argparse.Namespace(**{**vars(args), "model": str(path)}))
+
+    path = model_dir(args)
+    return LocalBackend(engine, loader=loader, model_dir=path,
+                        policy_dir=paths.state_dir()), str(path)
+
+
+def _remote(cfg: Any) -> tuple[Any, str]:
+    from daemon.backends.openai import OpenAIBackend
+
+    backend = OpenAIBackend.from_settings(cfg)
+    log.info("backend: %s (prompts: %s)", backend.url, backend.prompts.description)
+    return backend, cfg.served_model or backend.url
+
+
+def _http_endpoint(spec: str, no_auth: bool) -> Any:
+    from daemon import paths
+    from daemon.http import HttpEndpoint, token
+
+    if no_auth:
+        return HttpEndpoint.parse(spec, None)
+    path = paths.http_token_path()
+    endpoint = HttpEndpoint.parse(spec, token(path))
+    log.info("the HTTP endpoint's bearer token is in %s", path)
+    return endpoint
 
 
 def _set_threads(threads: int) -> None:
@@ -128,6 +181,23 @@ def add_parsers(sub: Any) -> None:
                        help="CPU threads for the model (default: all cores but one)")
     serve.add_argument("--no-watch", action="store_true",
                        help="do not reload when the model directory changes")
+    serve.add_argument("--backend", choices=BACKENDS,
+                       help="local: the model in this process (default); openai: a remote "
+                       "OpenAI-compatible server (vLLM, SGLang, llama-server) at --url")
+    serve.add_argument("--url", help="the remote server's API, e.g. http://gpu-box:8000/v1")
+    serve.add_argument("--served-model", help="the model name the server serves")
+    serve.add_argument("--api-key-env", help="environment variable holding its API key")
+    serve.add_argument("--tokenizer", help="directory of the served model's tokenizer.json "
+                       "(the daemon builds the FIM prompts; default: --served-model's in "
+                       "the Hugging Face cache)")
+    serve.add_argument("--fim-template",
+                       choices=FIM_TEMPLATES, help="without a tokenizer: the served model's "
+                       "FIM layout; infill: llama-server's /infill builds the prompt")
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="also serve an OpenAI-compatible HTTP endpoint (e.g. "
+                       "127.0.0.1:8741); off by default")
+    serve.add_argument("--no-auth", action="store_true",
+                       help="the HTTP endpoint without a bearer token (loopback only)")
     serve.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
     status = sub.add_parser("status", help="what the daemon is doing, and its statistics")

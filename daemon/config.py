@@ -13,6 +13,18 @@
     exact = "auto"                   # bit-identical to plain decoding even where it costs:
                                      # auto (all but fp32 on the CPU) | on | off
 
+    # A remote serving engine instead of the local model (see daemon/backends/openai.py):
+    backend = "openai"               # local (default) | openai
+    url = "http://gpu-box:8000/v1"   # its OpenAI-compatible API
+    api_key_env = "TEAM_LLM_KEY"     # the environment variable holding its API key
+    served_model = "Qwen/Qwen2.5-Coder-7B"  # the model name it serves (default: its first)
+    tokenizer = "/path/to/model"     # that model's tokenizer.json, to build its FIM prompts
+                                     # (default: served_model's in the Hugging Face cache)
+    fim_template = "qwen"            # else a named layout: qwen, deepseek, starcoder,
+                                     # codellama; or "infill": llama-server's /infill
+    timeout = 30                     # seconds the server may stay silent
+    http = "127.0.0.1:8741"          # serve the HTTP endpoint here (default: off)
+
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
 """
@@ -33,6 +45,10 @@ def switch(value: str | None) -> bool | None:
     return None if value in (None, "auto") else value == "on"
 
 
+BACKENDS = ("local", "openai")
+FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
+
+
 class ConfigFileError(ValueError):
     """A config file or variable that cannot be used, naming the file and the key."""
 
@@ -50,6 +66,14 @@ class Settings:
     graphs: str = "auto"
     compile: str = "auto"
     exact: str = "auto"
+    backend: str = "local"
+    url: str | None = None
+    api_key_env: str | None = None
+    served_model: str | None = None
+    tokenizer: str | None = None
+    fim_template: str | None = None
+    timeout: float = 30.0
+    http: str | None = None
 
     def __post_init__(self) -> None:
         for name in SWITCHES:
@@ -63,6 +87,16 @@ class Settings:
                 raise ConfigFileError(f"{name} must be positive")
         if self.k_max < 0 or self.idle_timeout < 0 or self.threads < 0:
             raise ConfigFileError("k_max, idle_timeout and threads must not be negative")
+        if self.backend not in BACKENDS:
+            raise ConfigFileError(f"backend must be one of {', '.join(BACKENDS)}, "
+                                  f"not {self.backend!r}")
+        if self.fim_template not in (None, *FIM_TEMPLATES):
+            raise ConfigFileError(f"fim_template must be one of {', '.join(FIM_TEMPLATES)}, "
+                                  f"not {self.fim_template!r}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ConfigFileError(f"url must start with http:// or https://, not {self.url!r}")
+        if self.timeout <= 0:
+            raise ConfigFileError("timeout must be positive")
 
 
 def config_path() -> Path:

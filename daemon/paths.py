@@ -46,6 +46,11 @@ def lock_path() -> Path:
     return runtime_dir() / "daemon.lock"
 
 
+def http_token_path() -> Path:
+    """The HTTP endpoint's bearer token (`daemon.http.token` makes it, mode 0600)."""
+    return state_dir() / "http-token"
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text` in one step: a reader never sees half a file."""
     tmp = path.with_suffix(".tmp")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RequestStats.hop_ms
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 HEADER_BYTES = 4
 
@@ -124,8 +124,9 @@ class RequestStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     prefill_tokens: int = 0
     reused_tokens: int = 0
     queue_ms: float = 0.0
-    engine_ms: float = 0.0
+    engine_ms: float = 0.0  # the model's time: engine steps, or a remote server's own time
     total_ms: float = 0.0
+    hop_ms: float = 0.0  # a remote backend: its round trip beyond the server's own time
     typed_through: bool = False
     k_histogram: dict[int, int] = {}
 
@@ -139,7 +140,8 @@ class Done(_Msg, tag="done"):
 
 class Error(_Msg, tag="error"):
     id: int | None
-    code: str  # "version", "bad_frame", "bad_request", "cancelled", "overloaded", "internal"...
+    code: str  # "version", "bad_frame", "bad_request", "cancelled", "unavailable" (a remote
+    #            backend's server cannot be reached), "internal"...
     message: str
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import watchfiles
 
 from daemon.config import ConfigFileError, load_settings
-from daemon.scheduler import Scheduler
 from engine import Engine
 
 log = logging.getLogger("ahead.daemon")
@@ -20,8 +19,9 @@ Loader = Callable[[Path], Engine]
 
 
 class Reloader:
-    def __init__(self, scheduler: Scheduler, loader: Loader, model_dir: Path) -> None:
-        self.scheduler, self.loader, self.model_dir = scheduler, loader, model_dir
+    def __init__(self, swap: Callable[[Engine], None], loader: Loader, model_dir: Path) -> None:
+        """`swap` puts a loaded engine into service (between requests)."""
+        self.swap, self.loader, self.model_dir = swap, loader, model_dir
         self.reloads = 0
         self.last_error: str | None = None
         self.results: asyncio.Queue[str] = asyncio.Queue()  # "ok" or the error, per attempt
@@ -38,7 +38,7 @@ class Reloader:
                 log.error("reload failed, keeping the old model: %s", self.last_error)
                 result = f"error: {self.last_error}"
             else:
-                self.scheduler.swap(engine)
+                self.swap(engine)
                 self.model_dir, self.last_error = target, None
                 self.reloads += 1
                 log.info("loaded %s; swapping it in between requests", target)

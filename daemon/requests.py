@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon import protocol as p
-from daemon.scheduler import PRIORITIES, Job, Scheduler
-from engine import Engine, Generation, GenParams
+from daemon.scheduler import PRIORITIES, Job, Scheduler, Work
 
 _OVERLAP = 4096  # characters of the earlier prefix's end that must match
 Send = Callable[[p.Reply], None]  # thread-safe: hands a frame to the connection's writer
@@ -56,15 +55,14 @@ class Listener:
         now = time.monotonic()
         if self.typed_through:
             return p.RequestStats(total_ms=(now - self.received) * 1000, typed_through=True)
-        s = job.gen.stats if job.gen else None
+        u = job.usage
+        engine_s = job.engine_s - u.hop_s  # building the prompt and running the model
         return p.RequestStats(
-            tokens=len(job.gen.tokens) if job.gen else 0,
-            steps=s.steps if s else 0, accepted=s.accepted if s else 0,
-            prefill_tokens=(s.prompt_tokens - s.reused_tokens) if s else 0,
-            reused_tokens=s.reused_tokens if s else 0,
+            tokens=u.tokens, steps=u.steps, accepted=u.accepted,
+            prefill_tokens=u.prompt_tokens - u.reused_tokens, reused_tokens=u.reused_tokens,
             queue_ms=((job.started or now) - job.created) * 1000,
-            engine_ms=job.engine_s * 1000, total_ms=(now - self.received) * 1000,
-            k_histogram=dict(s.k_hist) if s else {})
+            engine_ms=engine_s * 1000, total_ms=(now - self.received) * 1000,
+            hop_ms=u.hop_s * 1000, k_histogram=dict(u.k_hist))
 
 
 @dataclass(slots=True)
@@ -99,23 +97,26 @@ class Requests:
                 return job
             listener.done(job)  # it had finished: the rest of its text is the answer
             return None
-        job = Job(make=self._fim_maker(req), listeners=[listener],
-                  priority=PRIORITIES[req.priority], key=key,
-                  deadline=_deadline(req.budget_ms), multiline=req.multiline)
+        work = Work(req.prefix, req.suffix, tuple((c.path, c.text) for c in req.extra),
+                    max_tokens=req.max_tokens, temperature=req.temperature,
+                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key)
+        job = self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms,
+                       key=key, multiline=req.multiline)
         self._last[key] = _Last(req.prefix, req.suffix, job)
-        return self.scheduler.submit(job)
+        return job
 
     def generate(self, req: p.Generate, listener: Listener) -> Job:
-        def make(engine: Engine) -> Generation:
-            prompt = engine.text_prompt(req.prompt)
-            params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
-                               top_p=req.top_p, stop=tuple(req.stop), k=req.k,
-                               speculative=req.speculative, seed=req.seed,
-                               forced=prompt.forced)
-            return engine.start(prompt.ids, params, slot="generate")
+        work = Work(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, stop=tuple(req.stop), seed=req.seed, k=req.k,
+                    speculative=req.speculative, slot="generate")
+        return self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms)
 
-        job = Job(make=make, listeners=[listener], priority=PRIORITIES[req.priority],
-                  deadline=_deadline(req.budget_ms))
+    def run(self, work: Work, listener: Listener, *, priority: p.Priority,
+            budget_ms: int | None = None, key: tuple[str, str] | None = None,
+            multiline: bool = False) -> Job:
+        """A new job for `work`; with a `key`, it supersedes that document's earlier ones."""
+        job = Job(work=work, listeners=[listener], priority=PRIORITIES[priority], key=key,
+                  deadline=_deadline(budget_ms), multiline=multiline)
         return self.scheduler.submit(job)
 
     def _typed(self, key: tuple[str, str], req: p.Complete) -> tuple[Job, str] | None:
@@ -140,17 +141,6 @@ class Requests:
             if same_before and new[len(new) - t:] == text[:t]:
                 return job, text[:t]
         return None
-
-    def _fim_maker(self, req: p.Complete) -> Callable[[Engine], Generation]:
-        def make(engine: Engine) -> Generation:
-            prompt = engine.fill_in_prompt(req.prefix, req.suffix, max_new_tokens=req.max_tokens,
-                                           extra=[(c.path, c.text) for c in req.extra])
-            stop = (*req.stop, *(() if req.multiline else ("\n",)))
-            params = GenParams(max_new_tokens=req.max_tokens, temperature=req.temperature,
-                               stop=stop, forced=prompt.forced)
-            return engine.start(prompt.ids, params, slot=(req.session, req.document))
-
-        return make
 
 
 def _deadline(budget_ms: int | None) -> float | None:

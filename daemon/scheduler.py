@@ -1,30 +1,25 @@
-"""The engine's one worker thread and the order in which it steps requests.
+"""The request pipeline's jobs, whichever backend runs them.
 
-Every loop iteration runs one engine step of the most urgent class of live jobs (editor
-before CLI before batch): the prefill of a job that has not started, else one draft+verify
-step of all its started jobs together, as one batch (continuous batching: a job joins the
-batch after its prefill, and leaves it when it ends; see `_batch` for the turns). So several
-editors typing at once share each step instead of queueing behind each other; a cancelled or
-superseded job stops within one step; and urgent work overtakes batch work between steps
-(generations interleave safely: each takes its KV cache back when it resumes). Results leave
-through each job's listeners, called on the worker thread: the server hands them to its
-event loop.
+A job is one request's work (`Work`: the text between a prefix and a suffix, or the text
+after a prompt) and the clients listening to it. The scheduler keeps the live jobs: a newer
+job of the same document supersedes the older ones, listeners join (typing through) and
+leave, a job nobody listens to any more is cancelled, and a deadline ends a job with the
+text so far. A backend (`daemon.backends`) runs the jobs: the local engine steps them on its
+worker thread, a remote server streams them. It takes them from here (`next_jobs`, `live`),
+is told of new work and cancellations (`wake`, `cancelled`), and reports what each step made
+through `stepped`, from whichever thread it runs on. Results leave through each job's
+listeners: the server hands them to its event loop.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from engine import Engine, Generation, Step
-
-log = logging.getLogger("ahead.daemon")
 PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}
-PREFILLS_PER_DECODE = 1  # running jobs wait for at most this many new jobs' prefills
 
 
 class Listener(Protocol):
@@ -35,28 +30,98 @@ class Listener(Protocol):
     def error(self, code: str, message: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a job asks of the model, in text: each backend builds the model's prompt."""
+
+    prefix: str  # the text before the cursor, or the prompt to continue
+    suffix: str | None = None  # None: continue `prefix` as plain text (no fill-in)
+    extra: tuple[tuple[str, str], ...] = ()  # (path, text) of other files, for fill-in
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # where the answer ends, besides the model's end tokens
+    seed: int | None = None
+    k: int | None = None  # the local engine's drafts per step (None: adaptive)
+    speculative: bool = True
+    slot: Hashable = None  # the local engine's KV-cache slot (a document keeps its prefix)
+
+    @property
+    def fill_in(self) -> bool:
+        return self.suffix is not None
+
+
+@dataclass(slots=True)
+class Usage:
+    """What a job's work took, as its backend reports it."""
+
+    tokens: int = 0
+    steps: int = 0  # engine steps, or chunks streamed by a server
+    accepted: int = 0  # drafts accepted (the local engine)
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens found in the cache
+    k_hist: dict[int, int] = field(default_factory=dict)
+    hop_s: float = 0.0  # a remote backend: time in transit (its round trip minus the
+    #                     server's own time, when the server says what that was)
+
+
 @dataclass(eq=False)
 class Job:
-    make: Callable[[Engine], Generation]  # builds the prompt; runs on the worker thread
+    work: Work
     listeners: list[Listener]
     priority: int = 0
     key: tuple[str, str] | None = None  # (session, document): a newer job supersedes
     deadline: float | None = None  # time.monotonic() after which the text so far is final
     multiline: bool = False  # a deadline then cuts back to the last whole line
     seq: int = 0
-    gen: Generation | None = None
     text: str = ""
     steps: int = 0
+    usage: Usage = field(default_factory=Usage)
     created: float = field(default_factory=time.monotonic)
-    started: float | None = None
+    started: float | None = None  # when its backend began the work
     finished: float | None = None
-    engine_s: float = 0.0
+    engine_s: float = 0.0  # time in the backend: engine steps, or the stream of a server
     cancelled: str | None = None  # why, once cancelled
     finish_reason: str | None = None
+    prompt_counted: bool = False
 
     @property
     def live(self) -> bool:
         return self.cancelled is None and self.finish_reason is None
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one step of a job made: text, and when the job's work ended, why."""
+
+    job: Job
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length"...: the backend has no more
+    usage: Usage | None = None
+
+
+class Backend(Protocol):
+    """Runs the scheduler's jobs (see `daemon.backends`)."""
+
+    name: str
+
+    def start(self, scheduler: Scheduler) -> None:
+        """Begin taking jobs; called once, on the server's event loop."""
+
+    def wake(self) -> None:
+        """There is new work (called with the scheduler's lock held: must not block)."""
+
+    def cancelled(self, job: Job) -> None:
+        """`job` was cancelled; stop its work (same as `wake`: must not block)."""
+
+    async def close(self) -> None:
+        """Stop: the scheduler has cancelled every live job."""
+
+    def save_state(self) -> None:
+        """Keep what is worth keeping across restarts."""
+
+    def status(self) -> dict[str, Any]:
+        """The backend's figures, for `ahead status`."""
 
 
 @dataclass(slots=True)
@@ -74,19 +139,17 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
         self.counters = Counters()
         self._jobs: list[Job] = []
         self._cv = threading.Condition()
         self._seq = 0
         self._closed = False
         self._stepping = False
-        self._next_engine: Engine | None = None
-        self._prefills = 0  # prefill steps since the last decoding step
-        self._served: dict[tuple[str, str] | None, float] = {}  # key: when last stepped
-        self._thread = threading.Thread(target=self._loop, name="ahead-engine", daemon=True)
-        self._thread.start()
+
+    def start(self) -> None:
+        self.backend.start(self)
 
     def submit(self, job: Job) -> Job:
         with self._cv:
@@ -99,17 +162,14 @@ class Scheduler:
                     if old.key == job.key and old.live:
                         self._cancel(old, "superseded")
             self._jobs.append(job)
-            self._cv.notify()
+            self._cv.notify_all()
+            self.backend.wake()
         return job
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         with self._cv:
             if job.live:
                 self._cancel(job, reason)
-
-    def running_for(self, key: tuple[str, str]) -> Job | None:
-        with self._cv:
-            return next((j for j in self._jobs if j.key == key and j.live), None)
 
     def attach(self, job: Job, listener: Listener) -> bool:
         """Add a listener to a live job (typing through); False if it has already ended.
@@ -133,26 +193,71 @@ class Scheduler:
                 if not job.listeners:
                     self._cancel(job, reason)
 
-    def swap(self, engine: Engine) -> None:
-        """Serve with `engine` from the first moment no job is live (between requests)."""
-        with self._cv:
-            self._next_engine = engine
-            self._cv.notify()
-
     def wait_idle(self, timeout: float) -> bool:
         """Block until no job is live and no step is running (False on timeout)."""
         with self._cv:
             return self._cv.wait_for(lambda: not self._stepping and
                                      not any(j.live for j in self._jobs), timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
+    async def close(self) -> None:
+        """Cancel the live jobs (their listeners hear "shutdown"), then stop the backend."""
         with self._cv:
             self._closed = True
             for job in self._jobs:
                 if job.live:
                     self._cancel(job, "shutdown")
-            self._cv.notify()
-        self._thread.join(timeout)
+            self._cv.notify_all()
+        await self.backend.close()
+
+    # For backends.
+
+    def notify(self) -> None:
+        """Wake a worker waiting in `next_jobs`: its plan may have something to do."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def live(self) -> list[Job]:
+        """The live jobs, most urgent first (by priority, then age)."""
+        with self._cv:
+            return sorted((j for j in self._jobs if j.live), key=lambda j: (j.priority, j.seq))
+
+    def next_jobs(self, plan: Callable[[list[Job]], list[Job]]) -> list[Job] | None:
+        """For a worker thread: block until `plan` (called under the lock with the live
+        jobs, maybe none) picks some to step; None once closed. Until the next call, a step
+        is running (see `wait_idle`)."""
+        with self._cv:
+            self._stepping = False
+            self._cv.notify_all()
+            while True:
+                self._jobs = [j for j in self._jobs if j.live]
+                picked = plan(self._jobs)
+                if picked:
+                    self._stepping = True
+                    return picked
+                if self._closed:
+                    return None
+                self._cv.wait()
+
+    def stepped(self, reports: list[StepReport], elapsed: float) -> None:
+        """One step of each reported job took `elapsed` seconds: hand its text on, and
+        finish the jobs whose work ended or whose deadline has passed."""
+        with self._cv:
+            if len(reports) > 1:
+                self.counters.batched_steps += 1
+                self.counters.batched_jobs += len(reports)
+            for report in reports:
+                self._after_step(report, elapsed)
+
+    def fail(self, jobs: list[Job], code: str, message: str) -> None:
+        """End `jobs` with an error (those still live)."""
+        with self._cv:
+            for job in jobs:
+                if not job.live:
+                    continue
+                self.counters.errors += 1
+                job.finish_reason = "error"
+                for listener in job.listeners:
+                    listener.error(code, message)
 
     def _cancel(self, job: Job, reason: str) -> None:
         job.cancelled = reason
@@ -162,93 +267,30 @@ class Scheduler:
             self.counters.cancelled += 1
         for listener in job.listeners:
             listener.error("cancelled", f"request {reason}")
+        self.backend.cancelled(job)
 
-    def _next_jobs(self) -> list[Job]:
-        """The jobs of the next engine step; none once closed."""
-        with self._cv:
-            self._stepping = False
-            self._cv.notify_all()  # for wait_idle
-            while True:
-                self._jobs = [j for j in self._jobs if j.live]
-                if self._next_engine is not None and all(j.gen is None for j in self._jobs):
-                    self.engine, self._next_engine = self._next_engine, None
-                if self._jobs:
-                    self._stepping = True
-                    return self._batch()
-                if self._closed:
-                    return []
-                self._cv.wait()
-
-    def _batch(self) -> list[Job]:
-        jobs = plan_step(self._jobs, self._served, self._prefills, self.engine.max_slots)
-        self._prefills = self._prefills + 1 if jobs[0].gen is None else 0
-        return jobs
-
-    def _loop(self) -> None:
-        while True:
-            try:
-                jobs = self._next_jobs()
-            except Exception as e:  # a bug in the scheduling: fail the live jobs, never hang
-                log.exception("scheduling failed")
-                with self._cv:
-                    self._fail([j for j in self._jobs if j.live], e)
-                continue
-            if not jobs:
-                return
-            try:
-                self._step(jobs)
-            except Exception as e:  # a bad request must not take the worker down
-                if not isinstance(e, ValueError):
-                    log.exception("engine step failed")
-                with self._cv:
-                    self._fail(jobs, e)  # a batch's state is shared: all of it fails
-
-    def _fail(self, jobs: list[Job], e: Exception) -> None:
-        for job in jobs:
-            self.counters.errors += 1
-            job.finish_reason = "error"
-            for listener in job.listeners:
-                listener.error(_code(e), str(e))
-
-    def _step(self, jobs: list[Job]) -> None:
-        t0 = time.monotonic()
-        for job in jobs:
-            if job.gen is None:
-                job.started = t0
-                job.gen = job.make(self.engine)
-        steps = self.engine.step([job.gen for job in jobs if job.gen is not None])
-        elapsed = time.monotonic() - t0
-        with self._cv:
-            if len(jobs) > 1:
-                self.counters.batched_steps += 1
-                self.counters.batched_jobs += len(jobs)
-            for job, step in zip(jobs, steps, strict=True):
-                self._after_step(job, step, elapsed)
-
-    def _after_step(self, job: Job, step: Step | None, elapsed: float) -> None:
-        assert job.gen is not None
-        if job.key is not None:
-            self._served[job.key] = time.monotonic()
-            if len(self._served) > 4096:  # forget documents not served for longest
-                recent = sorted(self._served.items(), key=lambda kv: kv[1])[-1024:]
-                self._served = dict(recent)
+    def _after_step(self, report: StepReport, elapsed: float) -> None:
+        job = report.job
+        if report.usage is not None:
+            job.usage = report.usage
         job.engine_s += elapsed
         job.steps += 1
         self.counters.steps += 1
-        if job.steps == 1:  # its prefill
-            s = job.gen.stats
-            self.counters.prefilled_tokens += s.prompt_tokens - s.reused_tokens
-            self.counters.prefix_reused_tokens += s.reused_tokens
+        u = job.usage
+        if not job.prompt_counted and u.prompt_tokens:  # known after the prefill
+            job.prompt_counted = True
+            self.counters.prefilled_tokens += u.prompt_tokens - u.reused_tokens
+            self.counters.prefix_reused_tokens += u.reused_tokens
         if not job.live:  # cancelled while the step ran: its result goes nowhere
             self.counters.stale_steps += 1
             return
-        if step is not None and step.text:
-            self._emit(job, step.text)
-        reason = job.gen.finish_reason
+        if report.text:
+            self._emit(job, report.text)
+        reason = report.finish_reason
         if reason is None and job.deadline is not None and time.monotonic() >= job.deadline:
             reason = "deadline"
-        if reason is not None or step is None:
-            self._finish(job, reason or "stop")
+        if reason is not None:
+            self._finish(job, reason)
 
     def _emit(self, job: Job, text: str) -> None:
         start = len(job.text)
@@ -265,33 +307,3 @@ class Scheduler:
         self.counters.completed += 1
         for listener in job.listeners:
             listener.done(job)
-
-
-def plan_step(jobs: list[Job], served: dict[tuple[str, str] | None, float], prefills: int,
-              max_slots: int) -> list[Job]:
-    """The jobs of the next step, from the most urgent class of the live `jobs`.
-
-    A prefill runs alone, then its job joins the decoding batch (one job per KV-cache slot:
-    CLI generations share theirs). New requests go first, but running ones wait for at most
-    PREFILLS_PER_DECODE prefills (`prefills` have run since the last decoding step), so that
-    neither kind starves the other. New requests take their turns by when their document was
-    last `served`: one editor typing fast must not keep the others' prefills waiting (each of
-    its keystrokes' requests being new)."""
-    top = min(j.priority for j in jobs)
-    urgent = sorted((j for j in jobs if j.priority == top), key=lambda j: j.seq)
-    fresh = [j for j in urgent if j.gen is None]
-    started = len(fresh) < len(urgent)
-    if fresh and not (started and prefills >= PREFILLS_PER_DECODE):
-        return [min(fresh, key=lambda j: (served.get(j.key, 0.0), j.seq))]
-    batch: list[Job] = []
-    slots: set[object] = set()
-    for job in urgent:
-        if job.gen is None or job.gen.slot in slots or len(batch) == max_slots:
-            continue
-        batch.append(job)
-        slots.add(job.gen.slot)
-    return batch
-
-
-def _code(e: Exception) -> str:
-    return "bad_request" if isinstance(e, ValueError) else "internal"

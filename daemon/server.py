@@ -1,9 +1,11 @@
-"""`ahead serve`: the resident model behind a private Unix socket.
+"""`ahead serve`: the resident model behind a private Unix socket (and, when asked for, an
+HTTP endpoint: `daemon.http`).
 
 Lifecycle as uvicorn does it: `serve()` is startup (single-instance lock, stale socket
 cleanup, listen), the main loop (until SIGTERM, a shutdown request or the idle timeout), and
 shutdown (stop listening, cancel the jobs, close connections within a timeout, remove the
-socket). The engine runs on the scheduler's worker thread; the event loop never waits on it.
+socket). The backend runs the jobs (the local engine on its worker thread, or a remote
+server's streams); the event loop never waits on it.
 """
 
 from __future__ import annotations
@@ -19,16 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 
-from daemon import policy_store
 from daemon import protocol as p
+from daemon.http import HttpEndpoint
 from daemon.instance import InstanceLock, peer_uid
-from daemon.reload import Loader, Reloader
 from daemon.requests import Listener, Requests
-from daemon.scheduler import Job, Scheduler
+from daemon.scheduler import Backend, Job, Scheduler
 from daemon.stats import Stats
-from engine import Engine
 
 log = logging.getLogger("ahead.daemon")
 
@@ -157,59 +156,50 @@ class Connection:
         self.loop.call_soon_threadsafe(self._forget, listener)
 
     def _forget(self, listener: Listener) -> None:
-        if listener.final is not None:
-            s = listener.final
-            self.server.stats.request_done(s.total_ms, s.engine_ms, s.tokens, s.prefill_tokens,
-                                           s.reused_tokens, s.k_histogram)
+        self.server.request_ended(listener)
         entry = self.jobs.get(listener.req_id)
         if entry is not None and entry[1] is listener:
             del self.jobs[listener.req_id]
 
 
 class Server:
-    def __init__(self, engine: Engine, socket_path: Path, lock: InstanceLock, *,
+    def __init__(self, backend: Backend, socket_path: Path, lock: InstanceLock, *,
                  model_name: str, idle_timeout: float = 0.0, stats_path: Path | None = None,
-                 loader: Loader | None = None, watch_debounce_ms: int | None = 1500,
-                 config_file: Path | None = None, policy_dir: Path | None = None) -> None:
-        """`loader` (model dir -> Engine) enables reloads; `watch_debounce_ms` None turns
-        off watching the model directory; `policy_dir` keeps the K policy's learning per
-        model across restarts (see `daemon.policy_store`)."""
-        self.policy_dir = policy_dir
-        self.policy_restored = False  # whether the K policy started from saved learning
-        if policy_dir is not None:
-            self.policy_restored = policy_store.restore(engine, policy_dir)
-            if loader is not None:
-                loader = self._restoring(loader, policy_dir)
+                 watch_debounce_ms: int | None = 1500, config_file: Path | None = None,
+                 http: HttpEndpoint | None = None) -> None:
+        """`backend` runs the jobs; if it can reload its model (`backend.reloader`), the
+        model directory is watched unless `watch_debounce_ms` is None; `http` serves the
+        same pipeline over HTTP."""
         self.model_name = model_name
         self.socket_path, self.lock = socket_path, lock
         self.idle_timeout = idle_timeout
-        self.scheduler = Scheduler(engine)
+        self.backend = backend
+        self.scheduler = Scheduler(backend)
         self.requests = Requests(self.scheduler)
-        self.reloader = Reloader(self.scheduler, loader, Path(model_name)) if loader else None
+        self.reloader = getattr(backend, "reloader", None)
         self.watch_debounce_ms, self.config_file = watch_debounce_ms, config_file
+        self.http = http
         self.stats = Stats(stats_path)
         self.started = time.monotonic()
         self.last_activity = self.started
         self.connections: dict[asyncio.Task[None], Connection] = {}
         self._stop: asyncio.Event | None = None
 
-    @staticmethod
-    def _restoring(loader: Loader, policy_dir: Path) -> Loader:
-        def load(model_dir: Path) -> Engine:
-            engine = loader(model_dir)
-            policy_store.restore(engine, policy_dir)
-            return engine
-        return load
-
     def save_state(self) -> None:
-        """Save the statistics and the serving model's K policy; a failure is logged, the
-        daemon serves on."""
+        """Save the statistics and what the backend keeps (the local engine's K policy); a
+        failure is logged, the daemon serves on."""
         try:
             self.stats.save(self.counts())
-            if self.policy_dir is not None:
-                policy_store.save(self.scheduler.engine, self.policy_dir)
+            self.backend.save_state()
         except OSError as e:
             log.error("could not save the daemon's state: %s", e)
+
+    def request_ended(self, listener: Listener) -> None:
+        """A request got its last frame: count it (on the event loop)."""
+        if listener.final is not None:
+            s = listener.final
+            self.stats.request_done(s.total_ms, s.engine_ms, s.tokens, s.prefill_tokens,
+                                    s.reused_tokens, s.k_histogram, s.hop_ms)
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -222,7 +212,10 @@ class Server:
         self._stop = asyncio.Event()
         self.lock.acquire()
         try:
+            self.scheduler.start()
             server = await self._listen()
+            if self.http is not None:
+                await self.http.start(self)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
@@ -271,7 +264,9 @@ class Server:
 
     async def _shutdown(self, server: asyncio.base_events.Server, timeout: float = 5.0) -> None:
         server.close()
-        self.scheduler.close()  # in-flight jobs end with a "shutdown" cancellation
+        await self.scheduler.close()  # in-flight jobs end with a "shutdown" cancellation
+        if self.http is not None:
+            await self.http.stop(timeout)
         for conn in self.connections.values():
             conn.close_soon()
         if self.connections:
@@ -315,9 +310,6 @@ class Server:
                 "uptime_s": round(time.monotonic() - self.started, 1),
                 "connections": len(self.connections),
                 "serving": str(reloader.model_dir) if reloader else self.model_name,
-                "reloads": reloader.reloads if reloader else 0,
-                "last_reload_error": reloader.last_error if reloader else None,
+                **({"http": self.http.address} if self.http else {}),
                 **self.stats.snapshot(self.counts()),
-                "policy_restored": self.policy_restored,
-                "model_threads": torch.get_num_threads(),
-                **self.scheduler.engine.policy.report()}
+                **self.backend.status()}

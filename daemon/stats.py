@@ -36,12 +36,15 @@ class Stats:
         self.k_chosen: Counter[int] = Counter()
         self.latency_ms: deque[float] = deque(maxlen=2000)
         self.engine_ms: deque[float] = deque(maxlen=2000)
+        self.hop_ms: deque[float] = deque(maxlen=2000)  # a remote backend's HTTP hop
 
     def request_done(self, total_ms: float, engine_ms: float, tokens: int, prefill: int,
-                     reused: int, k_histogram: dict[int, int]) -> None:
+                     reused: int, k_histogram: dict[int, int], hop_ms: float = 0.0) -> None:
         self.latency_ms.append(total_ms)
         if engine_ms:
             self.engine_ms.append(engine_ms)
+        if hop_ms:
+            self.hop_ms.append(hop_ms)
         self.counts.update(generated_tokens=tokens, prefill_tokens=prefill, reused_tokens=reused)
         self.k_chosen.update(k_histogram)
 
@@ -51,7 +54,8 @@ class Stats:
         return {"counts": dict(now), "lifetime": dict(self.lifetime + now),
                 "k_chosen": {str(k): v for k, v in sorted(self.k_chosen.items())},
                 "latency_ms": percentiles(list(self.latency_ms)),
-                "engine_ms": percentiles(list(self.engine_ms))}
+                "engine_ms": percentiles(list(self.engine_ms)),
+                **({"http_hop_ms": percentiles(list(self.hop_ms))} if self.hop_ms else {})}
 
     def save(self, counts: dict[str, int]) -> None:
         """Write the snapshot atomically (a reader never sees half a file)."""

@@ -102,7 +102,9 @@ class Completer:
         try:
             done = await self.client.run(req)
         except RequestFailed as e:
-            if e.code != "cancelled":  # superseded or cancelled: simply nothing to show
+            if e.code == "unavailable":  # the daemon's remote server is down
+                self.report("down", e.message)
+            elif e.code != "cancelled":  # superseded or cancelled: simply nothing to show
                 log.warning("completion failed: %s", e)
             return None
         except DaemonUnavailable as e:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from daemon import protocol as p
+from daemon.backends.local import LocalBackend
 from daemon.client import Client
 from daemon.config import ConfigFileError, load_settings
 from daemon.instance import InstanceLock
@@ -21,6 +22,10 @@ def test_file_then_environment(tmp_path: Path) -> None:
     s = load_settings(cfg, env={"AHEAD_K_MAX": "2"})
     assert (s.model, s.idle_timeout, s.k_max, s.slots) == ("/models/a", 60.0, 2, 4)
     assert load_settings(tmp_path / "missing.toml", env={}).model is None
+    remote = load_settings(cfg, env={"AHEAD_BACKEND": "openai", "AHEAD_URL": "http://h:8000/v1",
+                                     "AHEAD_FIM_TEMPLATE": "qwen", "AHEAD_TIMEOUT": "5"})
+    assert (remote.backend, remote.url, remote.fim_template, remote.timeout) == (
+        "openai", "http://h:8000/v1", "qwen", 5.0)
 
 
 @pytest.mark.parametrize(("text", "env", "message"), [
@@ -32,6 +37,10 @@ def test_file_then_environment(tmp_path: Path) -> None:
     ("threads = -2\n", {}, "threads must not be negative"),
     ("k_max = [\n", {}, "config.toml"),
     ("", {"AHEAD_MAX_SEQ_LEN": "lots"}, "AHEAD_MAX_SEQ_LEN: max_seq_len must be"),
+    ("backend = 'vllm'\n", {}, "backend must be one of local, openai"),
+    ("fim_template = 'gpt'\n", {}, "fim_template must be one of"),
+    ("", {"AHEAD_URL": "gpu-box:8000"}, "url must start with http"),
+    ("timeout = 0\n", {}, "timeout must be positive"),
 ])
 def test_bad_settings_name_the_file_and_key(tmp_path: Path, text: str, env: dict,
                                             message: str) -> None:
@@ -48,9 +57,10 @@ async def test_the_daemon_follows_the_config_file_to_another_model(
     config = conf_dir / "config.toml"
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
-    server = Server(trained_engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
-                    model_name=str(trained_dir), watch_debounce_ms=100, config_file=config,
-                    loader=lambda path: Engine.load(path, max_seq_len=256, k_max=2))
+    backend = LocalBackend(trained_engine, model_dir=trained_dir,
+                           loader=lambda path: Engine.load(path, max_seq_len=256, k_max=2))
+    server = Server(backend, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+                    model_name=str(trained_dir), watch_debounce_ms=100, config_file=config)
     ready = asyncio.Event()
     task = asyncio.create_task(server.serve(on_ready=ready.set))
     await asyncio.wait_for(ready.wait(), 30)
@@ -63,7 +73,7 @@ async def test_the_daemon_follows_the_config_file_to_another_model(
     info = await client.status()
     assert info["serving"] == str(random_dir) and info["reloads"] == 1
     await client.run(p.Generate(id=0, prompt="x", max_tokens=2))
-    assert server.scheduler.engine is not trained_engine
+    assert backend.engine is not trained_engine
     await client.close()
     server.stop()
     await asyncio.wait_for(task, 30)

@@ -14,13 +14,16 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from daemon import protocol as p
+from daemon.backends.local import LocalBackend
 from daemon.client import Client
 from daemon.instance import InstanceLock
+from daemon.scheduler import Backend
 from daemon.server import Server
 from engine import Engine
 
@@ -28,10 +31,11 @@ TIMEOUT = 30
 
 
 @contextlib.asynccontextmanager
-async def serving(engine: Engine, rt: Path) -> AsyncIterator[Server]:
+async def serving(backend: Backend, rt: Path, **kw: Any) -> AsyncIterator[Server]:
+    """A daemon in this process on a private socket in `rt` (`kw`: more for `Server`)."""
     rt.mkdir(mode=0o700)
-    server = Server(engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
-                    model_name="tiny")
+    server = Server(backend, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+                    model_name="tiny", **kw)
     ready = asyncio.Event()
     task = asyncio.create_task(server.serve(on_ready=ready.set))
     await asyncio.wait_for(ready.wait(), TIMEOUT)
@@ -43,7 +47,7 @@ async def serving(engine: Engine, rt: Path) -> AsyncIterator[Server]:
 
 @pytest.fixture
 async def daemon(trained_engine: Engine, tmp_path: Path) -> AsyncIterator[Server]:
-    async with serving(trained_engine, tmp_path / "rt") as server:
+    async with serving(LocalBackend(trained_engine), tmp_path / "rt") as server:
         yield server
 
 
@@ -122,7 +126,7 @@ async def test_with_the_bundled_model_typing_prefills_only_what_was_typed(
     source = Path(json.__file__).read_text(encoding="utf-8")
     cursor = source.index("def dumps(")
     prefix, suffix = source[cursor - 1500:cursor], source[cursor:cursor + 1500]
-    async with serving(engine, tmp_path / "rt") as server:
+    async with serving(LocalBackend(engine), tmp_path / "rt") as server:
         client = client_for(server)
         first = await client.run(p.Complete(id=0, session="s", document="j.py", prefix=prefix,
                                             suffix=suffix, max_tokens=2))
@@ -434,9 +438,10 @@ async def test_hot_swap_keeps_serving_through_a_corrupt_checkpoint(
     shutil.copytree(trained_dir, model)
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
-    server = Server(trained_engine, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
-                    model_name=str(model), watch_debounce_ms=100,
-                    loader=lambda path: Engine.load(path, max_seq_len=256, k_max=2))
+    backend = LocalBackend(trained_engine, model_dir=model,
+                           loader=lambda path: Engine.load(path, max_seq_len=256, k_max=2))
+    server = Server(backend, rt / "daemon.sock", InstanceLock(rt / "daemon.lock"),
+                    model_name=str(model), watch_debounce_ms=100)
     ready = asyncio.Event()
     task = asyncio.create_task(server.serve(on_ready=ready.set))
     await asyncio.wait_for(ready.wait(), TIMEOUT)
@@ -458,7 +463,7 @@ async def test_hot_swap_keeps_serving_through_a_corrupt_checkpoint(
     while (result := await asyncio.wait_for(server.reloader.results.get(), TIMEOUT)) != "ok":
         pass  # a copy of several files may be seen half done first
     swapped = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=8))
-    assert server.scheduler.engine is not trained_engine  # swapped before this request
+    assert backend.engine is not trained_engine  # swapped before this request
     assert swapped.text != before.text
     await client.close()
     server.stop()

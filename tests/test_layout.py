@@ -101,3 +101,13 @@ def test_the_public_api_names_what_it_exports() -> None:
         assert getattr(engine, name) is not None
     with pytest.raises(AttributeError):
         engine.NoSuchThing  # noqa: B018
+
+
+def test_a_daemon_in_front_of_a_remote_server_imports_no_torch() -> None:
+    """Only the local backend loads the model: the server, the HTTP endpoint and the openai
+    backend (tokenizer and prompt recipe included) start without torch."""
+    code = ("import sys, daemon.server, daemon.http, daemon.backends.openai; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"

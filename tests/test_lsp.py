@@ -23,8 +23,10 @@ PY = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    "
 
 
 async def start(model: Path, tmp: Path, encoding: str = "utf-16",
-                options: dict | None = None) -> LanguageClient:
-    env = {**os.environ, "AHEAD_RUNTIME_DIR": str(tmp / "rt"), "AHEAD_STATE_DIR": str(tmp / "st")}
+                options: dict | None = None, env: dict | None = None) -> LanguageClient:
+    """`ahead lsp` under a real client; the daemon it starts gets `env` too."""
+    env = {**os.environ, "AHEAD_RUNTIME_DIR": str(tmp / "rt"), "AHEAD_STATE_DIR": str(tmp / "st"),
+           **(env or {})}
     config = ClientServerConfig(server_command=[sys.executable, "-m", "clients.cli", "lsp"],
                                 server_env=env)
     client = await config.start()

@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
 import pytest
 
-from daemon import scheduler as sched
-from daemon.scheduler import PREFILLS_PER_DECODE, PRIORITIES, Job, Scheduler, plan_step
-from engine import Engine, Generation, GenParams
+from daemon.backends import local
+from daemon.backends.local import PREFILLS_PER_DECODE, LocalBackend
+from daemon.scheduler import PRIORITIES, Job, Scheduler, Work
+from engine import Engine, Generation
 from tests.conftest import CHAIN_VOCAB
 
 PROMPT = list(CHAIN_VOCAB[:8])
+GENS: dict[Job, Generation] = {}  # the started jobs' generations, as the backend keeps them
 
 
 def job(engine: Engine, seq: int, key: str, *, started: bool = False, slot: str | None = None,
         priority: str = "editor") -> Job:
-    j = Job(make=lambda e: e.start(PROMPT, slot=slot or key), listeners=[],
-            priority=PRIORITIES[priority], key=("s", key), seq=seq)
+    j = Job(work=Work("x", slot=slot or key), listeners=[], priority=PRIORITIES[priority],
+            key=("s", key), seq=seq)
     if started:
-        j.gen = engine.start(PROMPT, slot=slot or key)
+        GENS[j] = engine.start(PROMPT, slot=slot or key)
     return j
+
+
+def plan_step(jobs: list[Job], served: dict, prefills: int, max_slots: int) -> list[Job]:
+    return local.plan_step(jobs, GENS, served, prefills, max_slots)
 
 
 def test_a_prefill_goes_to_the_document_served_longest_ago(trained_engine: Engine) -> None:
@@ -73,9 +80,9 @@ class Events:
         self.finished.set()
 
 
-def test_a_fault_in_scheduling_fails_the_live_jobs_and_the_worker_goes_on(
+async def test_a_fault_in_scheduling_fails_the_live_jobs_and_the_worker_goes_on(
         trained_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real, faults = sched.plan_step, [1]
+    real, faults = local.plan_step, [1]
 
     def faulty(*args: Any) -> list[Job]:
         if faults:
@@ -83,18 +90,16 @@ def test_a_fault_in_scheduling_fails_the_live_jobs_and_the_worker_goes_on(
             raise RuntimeError("a scheduling bug")
         return real(*args)
 
-    monkeypatch.setattr(sched, "plan_step", faulty)
-    scheduler = Scheduler(trained_engine)
+    monkeypatch.setattr(local, "plan_step", faulty)
+    scheduler = Scheduler(LocalBackend(trained_engine))
+    scheduler.start()
     try:
         first, second = Events(), Events()
-
-        def make(e: Engine) -> Generation:
-            return e.start(PROMPT, GenParams(max_new_tokens=4), slot="f")
-
-        scheduler.submit(Job(make=make, listeners=[first]))
-        assert first.finished.wait(30) and first.errors == ["internal"]
-        scheduler.submit(Job(make=make, listeners=[second]))
-        assert second.finished.wait(30) and second.errors == []
+        work = Work("def f(", max_tokens=4, slot="f")
+        scheduler.submit(Job(work=work, listeners=[first]))
+        assert await asyncio.to_thread(first.finished.wait, 30) and first.errors == ["internal"]
+        scheduler.submit(Job(work=work, listeners=[second]))
+        assert await asyncio.to_thread(second.finished.wait, 30) and second.errors == []
         assert scheduler.counters.errors == 1
     finally:
-        scheduler.close()
+        await scheduler.close()

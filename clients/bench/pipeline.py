@@ -5,7 +5,9 @@ every `interval_ms`, and asks for a completion at every keystroke, superseding t
 one (as an editor's inline-completion requests do). The characters are inserted: the text
 after them is in the document from the start and stays put while the user types, as it does
 when someone writes a new line in the middle of a file. The daemon runs in its own process, on a
-private socket, with the model given.
+private socket, with the model given, or (`--backend openai`) in front of a remote server,
+where it also measures the HTTP hop: the backend's round trip beyond the server's own time,
+as the server reports it (llama-server does).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Editor:
     span: int  # the characters the user types, text[cursor:cursor + span]
     latencies: list[float] = field(default_factory=list)  # ms, completed requests
     overheads: list[float] = field(default_factory=list)  # ms, total minus engine time
+    hops: list[float] = field(default_factory=list)  # ms, a remote backend's HTTP hop
     final_ms: float = 0.0
     final_typed_through: bool = False  # the final request was answered without the model
 
@@ -83,6 +86,7 @@ async def _idle(client: Client, ed: Editor, keystrokes: int) -> float:
         done, ms = await _timed(client, _request(ed, k, f"file:///idle-{ed.name}-{k}"))
         if done is not None:
             ed.overheads.append(ms - done.stats.engine_ms)
+            ed.hops.append(done.stats.hop_ms)
     await client.run(p.Generate(id=0, prompt="# another file\n" * 20, max_tokens=1))
     _, ms = await _timed(client, _request(ed, keystrokes, f"file:///idle-{ed.name}-final"))
     return ms
@@ -110,6 +114,7 @@ async def bench_pipeline(model: Path, files: list[Path], *, clients: int = 3,
     if rounds < 1 or clients < 1 or keystrokes < 1:
         raise ValueError("rounds, clients and keystrokes must be at least 1")
     args = ["--model", str(model), "--idle-timeout", "120", "--no-watch", *(serve_args or [])]
+    backend = "local"
     editors: list[Editor] = []
     idle: list[float] = []
     counts: Counter[str] = Counter()
@@ -118,6 +123,7 @@ async def bench_pipeline(model: Path, files: list[Path], *, clients: int = 3,
         control = Client(serve_args=args, client_name="bench")
         try:
             await control.connect()
+            backend = (await control.status())["backend"]
             for r in range(rounds):
                 batch = _editors(files, clients, seed + r, keystrokes, tag=f"r{r}")
                 idle += [await _idle(control, ed, keystrokes) for ed in batch]
@@ -137,7 +143,8 @@ async def bench_pipeline(model: Path, files: list[Path], *, clients: int = 3,
         finally:
             await control.close()
             os.environ.pop("AHEAD_RUNTIME_DIR", None)
-    return _summary(editors, idle, counts, clients, keystrokes, interval_ms, rounds)
+    return {"backend": backend,
+            **_summary(editors, idle, counts, clients, keystrokes, interval_ms, rounds)}
 
 
 def _summary(editors: list[Editor], idle: list[float], counts: Counter[str], clients: int,
@@ -165,10 +172,13 @@ def _summary(editors: list[Editor], idle: list[float], counts: Counter[str], cli
         "batched_share": counts["batched_jobs"] / max(counts["steps"], 1),
         "latency_ms": percentiles([ms for ed in editors for ms in ed.latencies]),
         "overhead_ms": percentiles(overheads),
+        "http_hop_ms": percentiles([h for ed in editors for h in ed.hops if h]),
     }
 
 
 def format_report(r: dict[str, Any]) -> str:
+    remote = r.get("backend", "local") != "local"
+    hop = r.get("http_hop_ms") or {}
     return "\n".join([
         f"{r['rounds']} rounds of {r['clients']} editors x {r['keystrokes_per_client']} "
         f"keystrokes, {r['interval_ms']:.0f} ms apart: {r['requests']} requests, "
@@ -179,9 +189,12 @@ def format_report(r: dict[str, Any]) -> str:
         "final requests that needed the model: ratio " + (
             "-" if r["final_latency_ratio_model_work"] is None
             else f"{r['final_latency_ratio_model_work']:.2f}") + " (median)",
-        f"job steps taken in batches of several: {r['batched_share']:.1%}",
+        "job steps taken in batches of several: " + (
+            "- (the server batches)" if remote else f"{r['batched_share']:.1%}"),
         f"keystrokes served by typing through: {r['typed_through_share']:.1%}",
         f"prefill tokens saved by prefix reuse: {r['prefill_tokens_saved_share']:.1%}",
         f"pipeline overhead (round trip minus engine): p50 {r['overhead_ms'].get('p50', 0)} ms, "
         f"p99 {r['overhead_ms'].get('p99', 0)} ms",
+        *([f"HTTP hop (backend round trip minus the server's own time): p50 "
+           f"{hop.get('p50', '-')} ms, p99 {hop.get('p99', '-')} ms"] if remote else []),
     ])
