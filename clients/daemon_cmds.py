@@ -17,6 +17,7 @@ log = logging.getLogger("ahead.daemon")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from daemon import log as daemon_log
     from daemon import paths
     from daemon.config import config_path
     from daemon.instance import AlreadyRunning, InstanceLock
@@ -28,13 +29,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except AlreadyRunning as e:
         print(f"ahead: error: {e} on {paths.socket_path()}", file=sys.stderr)
         return 1
-    log_file = paths.state_dir() / "daemon.log"
-    handlers: list[logging.Handler] = [logging.FileHandler(log_file)]
-    if args.ready_fd is None:
-        handlers.append(logging.StreamHandler())
-    logging.basicConfig(level=logging.INFO, handlers=handlers,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = serve_settings(args)
+    log_handler = daemon_log.setup(paths.state_dir() / "daemon.log", cfg.log_max_bytes,
+                                   to_stderr=args.ready_fd is None)
     try:
         http = _http_endpoint(cfg.http, args.no_auth) if cfg.http else None
         backend, name = _remote(cfg) if cfg.backend == "openai" else _local(args, cfg)
@@ -49,10 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready() -> None:
         if args.ready_fd is not None:  # started by a client: say so, then detach from it
             os.write(args.ready_fd, b"ready\n")
-            fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            for target in (args.ready_fd, 1, 2):
-                os.dup2(fd, target)
-            os.close(fd)
+            log_handler.follow(args.ready_fd, 1, 2)
 
     asyncio.run(server.serve(on_ready=ready))
     return 0

@@ -2,7 +2,11 @@
 
 Imports no torch. One connection carries many requests; replies are routed by request id.
 If the daemon dies, requests in flight fail with `DaemonUnavailable` and the next request
-reconnects, starting a new daemon if need be.
+reconnects, starting a new daemon if need be. A daemon that is stopped or hung (it accepts the
+connection but says nothing) is found out too: the greeting must come within `timeout`
+seconds, and while a request waits, a daemon silent for `timeout` is asked for its status,
+which its event loop answers at once however busy the model is; no answer within `timeout`
+more fails the requests in flight.
 """
 
 from __future__ import annotations
@@ -10,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from daemon import paths
 from daemon import protocol as p
@@ -27,6 +34,22 @@ class DaemonUnavailable(ConnectionError):
     def __init__(self, message: str, *, before_any_reply: bool = False) -> None:
         super().__init__(message)
         self.before_any_reply = before_any_reply
+
+
+DEFAULT_TIMEOUT = 15.0
+
+
+def default_timeout() -> float:
+    """$AHEAD_CLIENT_TIMEOUT seconds, else 15."""
+    value = os.environ.get("AHEAD_CLIENT_TIMEOUT", "")
+    try:
+        timeout = float(value) if value else DEFAULT_TIMEOUT
+    except ValueError:
+        raise ValueError(f"AHEAD_CLIENT_TIMEOUT must be a number of seconds, not {value!r}")\
+            from None
+    if not timeout > 0:
+        raise ValueError(f"AHEAD_CLIENT_TIMEOUT must be positive, not {value!r}")
+    return timeout
 
 
 class RequestFailed(Exception):
@@ -69,16 +92,21 @@ def _readline(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
 class Client:
     def __init__(self, socket_path: Path | None = None, *, autostart: bool = True,
                  serve_args: list[str] | None = None, start_timeout: float = 120.0,
-                 client_name: str = "ahead") -> None:
+                 client_name: str = "ahead", timeout: float | None = None) -> None:
+        """`timeout`: seconds for the greeting, and for the liveness check of a daemon that
+        has been silent that long (default: `default_timeout()`)."""
         self.socket_path = socket_path or paths.socket_path()
         self.autostart, self.serve_args = autostart, serve_args or []
         self.start_timeout, self.client_name = start_timeout, client_name
+        self.timeout = default_timeout() if timeout is None else timeout
         self.welcome: p.Welcome | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._queues: dict[int, asyncio.Queue[p.Reply | None]] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+        self._lost = ""  # why the connection was given up, when it was
+        self._ping: asyncio.Future[bool] | None = None
 
     async def connect(self) -> p.Welcome:
         """Connect and greet; start the daemon if nobody answers (a stale socket of a killed
@@ -88,6 +116,8 @@ class Client:
                 return self.welcome
             try:
                 return await self._handshake()
+            except DaemonUnavailable:  # it is there but does not answer: starting another
+                raise  # one would not help
             except (OSError, p.FrameError) as e:
                 if not self.autostart:
                     raise DaemonUnavailable(f"no daemon answers on {self.socket_path}: "
@@ -95,19 +125,27 @@ class Client:
             await asyncio.to_thread(start_daemon, self.serve_args, self.start_timeout)
             try:
                 return await self._handshake()
+            except DaemonUnavailable:
+                raise
             except (OSError, p.FrameError) as e:
                 raise DaemonUnavailable(f"the daemon started but does not answer: {e}") from None
 
     async def _handshake(self) -> p.Welcome:
         reader, writer = await asyncio.open_unix_connection(str(self.socket_path))
         writer.write(p.encode(p.Hello(version=p.PROTOCOL_VERSION, client=self.client_name)))
-        reply = await _read_reply(reader)
+        try:
+            reply = await asyncio.wait_for(_read_reply(reader), self.timeout)
+        except TimeoutError:
+            writer.transport.abort()
+            raise DaemonUnavailable(
+                f"the daemon on {self.socket_path} accepts connections but does not answer "
+                f"within {self.timeout:g} s (is it stopped or hung?)") from None
         if not isinstance(reply, p.Welcome):
             writer.close()
             if isinstance(reply, p.Error):
                 raise RequestFailed(reply.code, reply.message)
             raise ConnectionResetError(f"unexpected greeting {reply!r}")
-        self._writer, self.welcome = writer, reply
+        self._writer, self.welcome, self._lost = writer, reply, ""
         self._reader_task = asyncio.create_task(self._route(reader))
         return reply
 
@@ -147,10 +185,11 @@ class Client:
             assert self._writer is not None
             self._writer.write(p.encode(msg))
             while not answered:
-                reply = await queue.get()
+                reply = await self._next(queue)
                 if reply is None:
-                    raise DaemonUnavailable("the daemon closed the connection",
-                                            before_any_reply=not replied)
+                    raise DaemonUnavailable(  # a hung daemon is not worth asking again
+                        self._lost or "the daemon closed the connection",
+                        before_any_reply=not replied and not self._lost)
                 replied = True
                 answered = isinstance(reply, p.Done | p.Error | p.StatusReply)
                 yield reply
@@ -159,6 +198,37 @@ class Client:
             if not answered and self._writer is not None:  # the caller gave up: stop the work
                 with contextlib.suppress(ConnectionError):
                     self._writer.write(p.encode(p.Cancel(id=msg.id)))
+
+    async def _next(self, queue: asyncio.Queue[p.Reply | None]) -> p.Reply | None:
+        """The next reply in `queue`; None once the connection is gone (a daemon that does
+        not prove alive when asked is hung up on)."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), self.timeout)
+            except TimeoutError:
+                if self._ping is None or self._ping.done():  # one check for all waiting
+                    self._ping = asyncio.ensure_future(self._answers())
+                if not await asyncio.shield(self._ping) and self._writer is not None:
+                    self._lost = (f"the daemon has not answered for {2 * self.timeout:g} s "
+                                  "(is it stopped or hung?)")
+                    self._writer.transport.abort()  # the reader ends: every queue hears it
+
+    async def _answers(self) -> bool:
+        """Whether the daemon answers a status request within `timeout`; a connection
+        already gone counts as answered (its waiters hear of it from the reader)."""
+        if self._writer is None:
+            return True
+        req_id = next(self._ids)
+        queue: asyncio.Queue[p.Reply | None] = asyncio.Queue()
+        self._queues[req_id] = queue
+        try:
+            self._writer.write(p.encode(p.Status(id=req_id)))
+            await asyncio.wait_for(queue.get(), self.timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            del self._queues[req_id]
 
     async def notify(self, msg: p.Feedback) -> None:
         """Send a message that has no answer."""
@@ -201,7 +271,12 @@ class Client:
 
 async def _read_reply(reader: asyncio.StreamReader) -> p.Reply | None:
     body = await p.read_frame(reader)
-    return None if body is None else _decoder.decode(body)
+    if body is None:
+        return None
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise p.FrameError(f"the daemon sent a frame that is not a reply: {e}") from None
 
 
 _decoder = p.reply_decoder()

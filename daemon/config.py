@@ -24,6 +24,7 @@
                                      # codellama; or "infill": llama-server's /infill
     timeout = 30                     # seconds the server may stay silent
     http = "127.0.0.1:8741"          # serve the HTTP endpoint here (default: off)
+    log_max_bytes = 10485760         # daemon.log is rotated at this size (two old ones kept)
 
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
@@ -74,6 +75,7 @@ class Settings:
     fim_template: str | None = None
     timeout: float = 30.0
     http: str | None = None
+    log_max_bytes: int = 10 * 1024 * 1024
 
     def __post_init__(self) -> None:
         for name in SWITCHES:
@@ -97,6 +99,8 @@ class Settings:
             raise ConfigFileError(f"url must start with http:// or https://, not {self.url!r}")
         if self.timeout <= 0:
             raise ConfigFileError("timeout must be positive")
+        if self.log_max_bytes < 1024:
+            raise ConfigFileError("log_max_bytes must be at least 1024")
 
 
 def config_path() -> Path:

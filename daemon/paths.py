@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -28,14 +31,40 @@ def state_dir() -> Path:
 
 
 def private_dir(path: Path) -> Path:
-    """Create `path` as 0700, or check that an existing one is ours and private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"{path} belongs to another user")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    """Create `path` as 0700, or check that an existing one is a real directory (a symlink
+    planted there, as another user can in /tmp, is refused), ours and private. The checks and
+    the chmod go through a descriptor of the directory itself, never through a link."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700, parents=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and path.is_symlink():
+            raise PermissionError(f"{path} is a symbolic link; ahead keeps its files only in "
+                                  "a real directory of its own (remove the link)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"{path} belongs to another user")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
+
+
+def open_private(path: Path, flags: int) -> int:
+    """A descriptor of the file at `path` (`flags`: os.O_WRONLY | os.O_APPEND and the like),
+    created 0600 if need be; an existing file is made 0600, and a symlink is refused."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def socket_path() -> Path:
@@ -52,7 +81,8 @@ def http_token_path() -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` in one step: a reader never sees half a file."""
+    """Replace `path` with `text` in one step (a reader never sees half a file); 0600."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
+        f.write(text)
     os.replace(tmp, path)

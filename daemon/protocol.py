@@ -19,6 +19,7 @@ import msgspec
 PROTOCOL_VERSION = 2  # 2: RequestStats.hop_ms
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 HEADER_BYTES = 4
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
 
 Priority = Literal["editor", "cli", "batch"]
 FeedbackEvent = Literal["shown", "accepted", "partial", "dismissed"]
@@ -26,6 +27,18 @@ FeedbackEvent = Literal["shown", "accepted", "partial", "dismissed"]
 
 class FrameError(Exception):
     """A frame that cannot be read; the connection is not usable after it."""
+
+
+def _check_sampling(temperature: float, top_p: float = 1.0) -> None:
+    """The engine's rule (`engine.decode.sampling.Sampling`), checked at the wire so a bad
+    value is answered as a bad request at once: greedy (0), or a temperature the softmax
+    can take. NaN fails every comparison, so it is refused along with inf, subnormals and
+    negative values."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                         f"{MAX_TEMPERATURE}], got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 class _Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
@@ -63,6 +76,9 @@ class Complete(_Msg, tag="complete"):
     stop: list[str] = []  # where the answer ends, besides the model's end tokens
     priority: Priority = "editor"
 
+    def __post_init__(self) -> None:  # msgspec answers a ValueError here as invalid
+        _check_sampling(self.temperature)
+
 
 class Generate(_Msg, tag="generate"):
     id: int
@@ -76,6 +92,9 @@ class Generate(_Msg, tag="generate"):
     seed: int | None = None
     budget_ms: int | None = None
     priority: Priority = "cli"
+
+    def __post_init__(self) -> None:
+        _check_sampling(self.temperature, self.top_p)
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -176,6 +195,19 @@ def request_decoder() -> msgspec.msgpack.Decoder[Request]:
 
 def reply_decoder() -> msgspec.msgpack.Decoder[Reply]:
     return msgspec.msgpack.Decoder(Reply)
+
+
+class _Addressed(msgspec.Struct):
+    id: int | None = None
+
+
+def request_id(body: bytes) -> int | None:
+    """The id of a request that cannot be decoded, when its frame still says one, so the
+    error reaches the request that waits for it (the other fields are not looked at)."""
+    try:
+        return msgspec.msgpack.decode(body, type=_Addressed).id
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
 
 
 def _length(header: bytes, max_bytes: int) -> int:

@@ -81,12 +81,16 @@ class Connection:
             except p.FrameError as e:
                 self.send(p.Error(id=None, code="bad_frame", message=str(e)))
                 return  # the stream is out of step: close it
+            except ConnectionError as e:  # a killed editor: its unread replies reset us
+                log.info("a client went away: %s", e.strerror or e)
+                return
             if body is None:
                 return
             try:
                 msg = self.decoder.decode(body)
-            except msgspec.DecodeError as e:
-                self.send(p.Error(id=None, code="bad_request", message=str(e)))
+            except (msgspec.DecodeError, UnicodeDecodeError) as e:  # invalid UTF-8 included
+                self.send(p.Error(id=p.request_id(body), code="bad_request",
+                                  message=str(e)))
                 continue
             self.server.touch()
             self.dispatch(msg)
