@@ -7,16 +7,22 @@ imports no torch: the model lives in the daemon, started on demand.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
+import threading
 import uuid
-from typing import Any
+from typing import Any, BinaryIO
 
 from lsprotocol import types
+from pygls.io_ import StdoutWriter
 from pygls.lsp.server import LanguageServer
-from pygls.protocol import LanguageServerProtocol
 
 from daemon.client import Client, DaemonUnavailable
 from daemon.stats import percentiles
+from lsp import rpc
 from lsp.completion import Completer, Settings
+
+log = logging.getLogger("ahead.lsp")
 
 VERSION = "0.1.0"
 ACCEPT_COMMAND = "ahead.accepted"
@@ -25,18 +31,9 @@ STATUS_REQUEST = "ahead/status"  # -> Status, with the daemon's own figures when
 STATUS_NOTIFICATION = "ahead/didChangeStatus"  # Status, each time the state changes
 
 
-class Protocol(LanguageServerProtocol):
-    def structure_message(self, data: dict[str, Any]) -> Any:
-        """`params` may be left out of a request or notification (JSON-RPC 2.0); pygls's
-        generic message types require it, and would answer nothing at all."""
-        if "method" in data and "params" not in data:
-            data = {**data, "params": None}
-        return super().structure_message(data)
-
-
 class AheadServer(LanguageServer):
     def __init__(self, client: Client | None = None) -> None:
-        super().__init__("ahead", VERSION, protocol_cls=Protocol)
+        super().__init__("ahead", VERSION, protocol_cls=rpc.Protocol)
         self.settings = Settings()
         self.completer = Completer(client or Client(client_name="ahead-lsp"), self.settings,
                                    session=uuid.uuid4().hex, report=self.set_state)
@@ -44,6 +41,27 @@ class AheadServer(LanguageServer):
         # or "down"; editors show it in a status bar.
         self.state, self.message = "starting", "connecting to the model daemon"
         self._connecting: asyncio.Task[None] | None = None
+
+    def start_io(self, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
+        """pygls' stdio server, with `lsp.rpc.serve` reading the messages."""
+        protocol = self.protocol
+        assert isinstance(protocol, rpc.Protocol)
+        self._stop_event = threading.Event()
+        protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))
+        try:
+            asyncio.run(rpc.serve(stdin or sys.stdin.buffer, protocol, self._stop_event,
+                                  self.thread_pool))
+        except BrokenPipeError:
+            log.error("the client went away; shutting down")
+        except (KeyboardInterrupt, SystemExit):
+            pass
+        finally:
+            self.shutdown()
+
+    def report_server_error(self, error: Exception, source: Any) -> None:
+        """Logged, not shown: a request's error is in its response already, and a client
+        sending bad notifications in a loop would otherwise get a popup for each."""
+        log.warning("%s: %s", getattr(source, "__name__", source), error)
 
     def status(self) -> dict[str, Any]:
         welcome = self.completer.client.welcome
