@@ -9,7 +9,8 @@ numbers stay valid, and each is kept only if the file still parses. Files are wr
 atomically (a temporary file beside the original, then `os.replace`), keeping their mode.
 
 Exit status, for pre-commit: 1 when a file was changed (with `--check`: would be); otherwise
-2 when a file was skipped because it could not be read, is not UTF-8 or does not parse;
+2 when a file was skipped because it could not be read, is not in its encoding (UTF-8, or
+what a PEP 263 declaration names: it is written back in that encoding) or does not parse;
 otherwise 0. Files not ending in `.py` are skipped with a note; they do not set the status.
 `--check` runs the model as a real run does, so it reports exactly what that run would change.
 A function the model has nothing usable for is reported and left alone; it does not set the
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import stat
 import sys
 import tempfile
+import tokenize
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,20 +42,25 @@ from clients.docstring_edit import (
     split_lines,
 )
 
-BOM = b"\xef\xbb\xbf"
 EXIT_CHANGED, EXIT_SKIPPED_FILE = 1, 2
 
-def read_source(path: Path) -> tuple[bytes, str]:
-    """The file's bytes and its text without a byte-order mark."""
+def read_source(path: Path) -> tuple[bytes, str, str]:
+    """The file's bytes, its text (without a byte-order mark) and its encoding: UTF-8, or
+    what a PEP 263 declaration (`# -*- coding: latin-1 -*-`) names, as Python reads it."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise SourceError(f"cannot be read: {e.strerror or e}") from None
     try:
-        text = data.removeprefix(BOM).decode("utf-8")
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as e:  # an unknown codec, or a BOM that contradicts the declaration
+        raise SourceError(f"has an unusable encoding declaration ({e.msg})") from None
+    try:
+        text = data.decode(encoding)  # utf-8-sig drops the BOM
     except UnicodeDecodeError as e:
-        raise SourceError(f"is not UTF-8 ({e.reason} at byte {e.start})") from None
-    return data, text
+        name = "UTF-8" if encoding.startswith("utf-8") else encoding
+        raise SourceError(f"is not {name} ({e.reason} at byte {e.start})") from None
+    return data, text, encoding
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -78,7 +86,7 @@ def process_file(path: Path, complete: Callable[[], Completer], *, check: bool,
                  out: TextIO, err: TextIO) -> bool:
     """Add the docstrings one file lacks; True if it changed (with `check`: would change).
     The completer is made only when a file needs one, so a clean run loads no model."""
-    data, text = read_source(path)
+    data, text, encoding = read_source(path)
     if not find_targets(text, split_lines(text)):
         return False
     new, outcome = add_docstrings(text, complete(), str(path))
@@ -93,7 +101,12 @@ def process_file(path: Path, complete: Callable[[], Completer], *, check: bool,
         if path.read_bytes() != data:
             raise SourceError("changed while the docstrings were written; left as it is")
         try:
-            write_atomic(path, BOM * data.startswith(BOM) + new.encode("utf-8"))
+            encoded = new.encode(encoding)  # utf-8-sig puts the BOM back
+        except UnicodeEncodeError as e:
+            raise SourceError(f"the docstrings have {e.object[e.start:e.end]!r}, which "
+                              f"{encoding} cannot hold; left as it is") from None
+        try:
+            write_atomic(path, encoded)
         except OSError as e:
             raise SourceError(f"cannot be written: {e.strerror or e}") from None
     return True

@@ -142,7 +142,7 @@ def test_unparsable_unreadable_and_other_files(trained_engine: Engine, tmp_path:
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n    return 1\n")
     latin = tmp_path / "latin.py"
-    latin.write_bytes(b"# -*- coding: latin-1 -*-\ndef f():\n    return '\xe9'\n")
+    latin.write_bytes(b"def f():\n    return '\xe9'\n")  # latin-1, not declared
     text = tmp_path / "notes.txt"
     text.write_text("def f():\n    pass\n")
     good = tmp_path / "good.py"
