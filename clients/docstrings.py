@@ -53,8 +53,8 @@ def read_source(path: Path) -> tuple[bytes, str, str]:
         raise SourceError(f"cannot be read: {e.strerror or e}") from None
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    except SyntaxError as e:  # an unknown codec, or a BOM that contradicts the declaration
-        raise SourceError(f"has an unusable encoding declaration ({e.msg})") from None
+    except SyntaxError as e:  # an unknown codec, a first line not UTF-8 and no declaration
+        raise SourceError(f"is not UTF-8 nor in an encoding it declares ({e.msg})") from None
     try:
         text = data.decode(encoding)  # utf-8-sig drops the BOM
     except UnicodeDecodeError as e:

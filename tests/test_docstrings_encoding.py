@@ -72,5 +72,5 @@ def test_an_unknown_declared_encoding_is_skipped(tmp_path: Path) -> None:
     err = io.StringIO()
     status = docstrings.run([str(path)], lambda: lambda document, prefix, suffix: "Doc.",
                             out=io.StringIO(), err=err)
-    assert status == 2 and "encoding declaration" in err.getvalue(), err.getvalue()
+    assert status == 2 and "unknown encoding" in err.getvalue(), err.getvalue()
     assert path.read_bytes() == source
