@@ -27,7 +27,7 @@ from engine.decode.policy import KPolicy
 from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
 from engine.decode.sampling import RowSampling
 from engine.decode.state import DecodeState
-from engine.decode.step import EAGER, Shape, decode_step, unpack
+from engine.decode.step import EAGER, Shape, decode_step, unpack, unpack_logprobs
 from engine.exec.compile import compiled_fns
 from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, probe
@@ -215,9 +215,11 @@ class Engine:
         if not restore:
             sampling = self._sampling(index, gens)
             allowed = self._allowed(gens)
-            for g, tok in zip(gens, first_tokens(self.model, self.caches, rows, sampling,
-                                                 allowed).tolist(), strict=True):
-                g.sequence.append(tok)
+            for g, (tok, logp) in zip(gens, first_tokens(self.model, self.caches, rows,
+                                                         sampling, allowed).tolist(),
+                                      strict=True):
+                g.sequence.append(int(tok))
+                g.first_logprob = logp
         self.state.set_rows(index, lengths=[s.length for s in slots],
                             tokens=[[g.sequence[-1]] + [0] * self.k_max for g in gens],
                             num_drafts=[0] * len(gens))
@@ -280,7 +282,7 @@ class Engine:
             tokens, n, s.drafts, s.confidence = unpack(row, shape)
             g.sequence.extend(tokens)
             s.advance(n + 1, modules=k > 0)
-            steps.append(g.verified(tokens, nd, seconds))
+            steps.append(g.verified(tokens, nd, seconds, unpack_logprobs(row, shape)))
             if g.use_mtp and g.params.k is None:
                 self.policy.observe(kind, nd, n, None, conf[:nd])
         if any(p[2] for p in plans):  # adaptive rows ran: the step prices its K

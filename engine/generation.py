@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.decode import quality
 from engine.decode.policy import TextKind, classify
 from engine.decode.sampling import Sampling
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -31,6 +32,7 @@ class GenParams:
     k: int | None = None  # None: adaptive; an int: that many drafts every step
     speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
     forced: str = ""  # the output must start with this text, which is not returned (healing)
+    stop_loops: bool = True  # end the output where it falls into a loop (see quality.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -60,6 +62,9 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     resumed: int = 0  # times the cache was rebuilt after another generation ran
+    finish_reason: str | None = None  # "stop", "length", "repetition" (see quality.py)
+    mean_logprob: float | None = None  # of the output's tokens, under the target
+    min_logprob: float | None = None
 
     def record(self, k: int, accepted: int, seconds: float) -> None:
         self.steps += 1
@@ -96,6 +101,8 @@ class Generation(Iterator[Step]):
         self.tokens: list[int] = []  # the output, up to a stop
         self.text = ""
         self.finish_reason: str | None = None
+        self.logprobs: list[float] = []  # of each output token, under the target model
+        self.first_logprob: float | None = None  # the first token's, set by the prefill
         self.stats = Stats(prompt_tokens=len(prompt))
         self.kind = TextKind.CODE  # of the text being written: acceptance differs by kind
         self._engine = engine
@@ -104,6 +111,7 @@ class Generation(Iterator[Step]):
         self._tail = engine.tokenizer.decode(prompt[-64:])  # recent text, for the kind of text
         self._held = ""  # text that may begin a stop string, not yet returned
         self._unforced = params.forced  # forced text not yet removed from the output
+        self._loops = quality.LoopWatch(engine.tokenizer.piece)
 
     def __next__(self) -> Step:
         step = self._engine.step([self])[0]
@@ -121,17 +129,25 @@ class Generation(Iterator[Step]):
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
-            self.finish_reason = reason
+            self.finish_reason = self.stats.finish_reason = reason
+
+    @property
+    def confidence(self) -> quality.Confidence | None:
+        """The output's scores (see quality.py); None before it has a token."""
+        return quality.confidence(self.logprobs)
 
     def prefilled(self, reused: int, seconds: float) -> Step:
         """The prefill appended the first token to the sequence."""
         self.stats.reused_tokens, self.stats.prefill_s = reused, seconds
-        return self._commit(self.sequence[-1:], k=0, accepted=0)
+        first = [] if self.first_logprob is None else [self.first_logprob]
+        return self._commit(self.sequence[-1:], first, k=0, accepted=0)
 
-    def verified(self, new: list[int], k: int, seconds: float) -> Step:
+    def verified(self, new: list[int], k: int, seconds: float,
+                 logprobs: list[float] | None = None) -> Step:
         """A verify of k drafts appended `new` to the sequence (the accepted drafts, then one
-        of the target's own); `seconds`: the step's cost (drafts, verify, commit)."""
-        step = self._commit(new, k=k, accepted=len(new) - 1)
+        of the target's own), with their log-probabilities; `seconds`: the step's cost
+        (drafts, verify, commit)."""
+        step = self._commit(new, logprobs or [], k=k, accepted=len(new) - 1)
         self.stats.record(k, len(new) - 1, seconds)
         return step
 
@@ -139,18 +155,26 @@ class Generation(Iterator[Step]):
         """Its slot's cache was rebuilt: another generation had run in it."""
         self.stats.resumed += 1
 
-    def _commit(self, new: list[int], *, k: int, accepted: int) -> Step:
-        """Take tokens up to a stop token or the token limit, then apply stop strings."""
+    def _commit(self, new: list[int], logprobs: list[float], *, k: int, accepted: int) -> Step:
+        """Take tokens up to a stop token, a loop or the token limit, then apply stop
+        strings."""
         kept: list[int] = []
         for tok in new:
             if tok in self._stop_ids:
                 self.finish("stop")
                 break
             kept.append(tok)
+            if self.params.stop_loops and self._loops.push(tok):
+                self.finish(quality.REPETITION)
+                break
             if len(self.tokens) + len(kept) >= self.params.max_new_tokens:
                 self.finish("length")
                 break
         self.tokens.extend(kept)
+        self.logprobs.extend(logprobs[:len(kept)])
+        if (scores := self.confidence) is not None:
+            self.stats.mean_logprob, self.stats.min_logprob = scores.mean_logprob, \
+                scores.min_logprob
         text = self._decoder.push_many(kept)
         if self.finish_reason is not None:
             text += self._decoder.flush()

@@ -75,6 +75,7 @@ class Tokenizer:
         # SentencePiece-style tokenizers put a "▁" before every encoded text.
         tokens = tok.encode("a", add_special_tokens=False).tokens
         self._prefix_space = bool(tokens) and tokens[0].startswith(("▁", "Ġ"))
+        self._pieces: dict[int, str] = {}
 
     @classmethod
     def from_file(cls, path: str | Path, eos_ids: Iterable[int] = ()) -> Tokenizer:
@@ -105,6 +106,13 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def piece(self, token_id: int) -> str:
+        """One token's text on its own (a part of a character reads as U+FFFD)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self.decode([token_id])
+        return text
 
     @cached_property
     def bos_ids(self) -> tuple[int, ...]:

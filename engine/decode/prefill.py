@@ -14,6 +14,7 @@ from torch import Tensor
 
 from engine.cache.kv import CacheBatch, span_of
 from engine.cache.slots import Caches, ContextOverflow, Slot
+from engine.decode.quality import token_logprobs
 from engine.decode.random import TARGET
 from engine.decode.sampling import RowSampling
 from engine.model.transformer import Transformer
@@ -69,12 +70,13 @@ def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: i
 @torch.inference_mode()
 def first_tokens(model: Transformer, caches: Caches, rows: list[PrefillRow],
                  sampling: RowSampling, allowed: Tensor | None) -> Tensor:
-    """The token after each row's first n [B]: greedy or sampled at position n, among the
-    `allowed` tokens [B, V] (token healing) where given."""
+    """The token after each row's first n, greedy or sampled at position n among the
+    `allowed` tokens [B, V] (token healing) where given, and its log-probability among them:
+    [B, 2] float64, for one host read."""
     slots = torch.tensor([r.slot.index for r in rows], device=caches.device)
     last = torch.tensor([r.n - 1 for r in rows], device=caches.device)
     logits = model.head(caches.hidden[slots, last])[:, None]  # [B, 1, V]
     if allowed is not None:
         logits = logits.masked_fill(~allowed[:, None], float("-inf"))
     tok, _ = sampling.pick(logits, (last + 1)[:, None], TARGET)
-    return tok[:, 0]
+    return torch.stack([tok[:, 0].double(), token_logprobs(logits, tok)[:, 0].double()], -1)

@@ -23,6 +23,7 @@ from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
 from engine.decode.accept import accept
 from engine.decode.draft import DraftFn, draft_chain, draft_one
+from engine.decode.quality import token_logprobs
 from engine.decode.sampling import RowSampling
 from engine.decode.state import DecodeState
 from engine.model.transformer import Transformer
@@ -59,10 +60,12 @@ class StepFns:
 def decode_step(model: Transformer, caches: Caches, state: DecodeState, slots: Tensor,
                 shape: Shape, fns: StepFns | None = None) -> Tensor:
     """One step of the rows in `slots` [B]. Returns, per row, the verified window's tokens
-    (the first n + 1 are committed), n, the drafts made for the next step and their
-    probabilities: [B, width + 2 + drafts] float64, read by the host in one transfer."""
+    (the first n + 1 are committed), n, the drafts made for the next step, their
+    probabilities, and the window tokens' log-probabilities under the target (see
+    `quality.py`): [B, 2 * width + 2 + 2 * drafts] float64, read by the host in one
+    transfer."""
     fns = fns or EAGER
-    out, n, last = fns.verify(model, caches, state, slots, shape.window())
+    out, n, last, logp = fns.verify(model, caches, state, slots, shape.window())
     k = shape.drafts
     if k:
         draft_chain(model, caches, state, slots, last, state.lengths[slots], k, shape.kv_len,
@@ -72,15 +75,15 @@ def decode_step(model: Transformer, caches: Caches, state: DecodeState, slots: T
         state.num_drafts[slots] = 0
     made = state.tokens[slots, 1:k + 1]
     return torch.cat([out.double(), n[:, None].double(), state.num_drafts[slots, None].double(),
-                      made.double(), state.confidence[slots, :k].double()], dim=1)
+                      made.double(), state.confidence[slots, :k].double(), logp.double()], dim=1)
 
 
 def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots: Tensor,
-                  shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
+                  shape: Shape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Verify each row's window, accept, commit on the device, and (when the step drafts)
-    bring the modules along. Returns the window's tokens [B, W], the drafts kept n [B], and
+    bring the modules along. Returns the window's tokens [B, W], the drafts kept n [B],
     module 0's output at the new last cached position [B, 1, H] (h itself when not
-    drafting)."""
+    drafting), and each window token's log-probability under the target [B, W]."""
     width = shape.width
     tokens = state.tokens[slots, :width]  # [B, W]
     length = state.lengths[slots]  # [B]
@@ -90,18 +93,20 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
     q = state.draft_probs[slots, :width - 1] if shape.sampled else None
-    out, n = accept(tokens[:, 1:], model.head(h), state.num_drafts[slots], q,
+    logits = model.head(h)  # [B, W, V]
+    out, n = accept(tokens[:, 1:], logits, state.num_drafts[slots], q,
                     row_sampling(state, slots, shape), pos + 1)
+    logp = token_logprobs(logits, out)
     pending = out.gather(1, n[:, None])  # [B, 1]: the target's own token
     state.lengths[slots] = length + n + 1  # the pending token's position
     state.tokens[slots, 0] = pending[:, 0]
     if not shape.drafts:
-        return out, n, h[:, :1]
+        return out, n, h[:, :1], logp
     # Module entries for the window: x_{t+1} is the next draft, then the pending token.
     nxt = torch.cat([tokens[:, 1:], pending], dim=1).scatter(1, n[:, None], pending)
     outs = [model.mtp_forward(m, h, nxt, rope, batch, kv)
             for m, kv in enumerate(caches.modules)]  # every module's cache catches up
-    return out, n, outs[0].gather(1, n[:, None, None].expand(-1, 1, h.shape[-1]))
+    return out, n, outs[0].gather(1, n[:, None, None].expand(-1, 1, h.shape[-1])), logp
 
 
 def row_sampling(state: DecodeState, slots: Tensor, shape: Shape) -> RowSampling:
@@ -110,7 +115,7 @@ def row_sampling(state: DecodeState, slots: Tensor, shape: Shape) -> RowSampling
 
 
 VerifyFn = Callable[[Transformer, Caches, DecodeState, Tensor, Shape],
-                    tuple[Tensor, Tensor, Tensor]]
+                    tuple[Tensor, Tensor, Tensor, Tensor]]
 EAGER = StepFns(verify_window, draft_one)
 
 
@@ -122,3 +127,9 @@ def unpack(row: list[float], shape: Shape) -> tuple[list[int], int, list[int], l
     tokens = [int(t) for t in row[:n + 1]]
     drafts = [int(t) for t in row[w + 2:w + 2 + count]]
     return tokens, n, drafts, row[w + 2 + k:w + 2 + k + count]
+
+
+def unpack_logprobs(row: list[float], shape: Shape) -> list[float]:
+    """One row's log-probabilities of its committed tokens (as `unpack` gives them)."""
+    start = shape.width + 2 + 2 * shape.drafts
+    return row[start:start + int(row[shape.width]) + 1]
