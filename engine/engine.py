@@ -32,6 +32,7 @@ from engine.exec.compile import compiled_fns
 from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, probe
 from engine.generation import Generation, GenParams, Step
+from engine.model.hub import resolve_model
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
@@ -92,6 +93,7 @@ class Engine:
              dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
              exact: bool | None = None) -> Engine:
+        model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         model = load_model(model_dir, device=device, dtype=dtype)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact)
