@@ -85,7 +85,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     tokens = state.tokens[slots, :width]  # [B, W]
     length = state.lengths[slots]  # [B]
     pos = length[:, None] + torch.arange(width, device=tokens.device)  # [B, W]
-    batch = CacheBatch(slots, pos, shape.kv_len, shape.span)
+    batch = CacheBatch(slots, pos, shape.kv_len, shape.span, per_position=True)
     rope = caches.rope(pos)
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
@@ -93,6 +93,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     out, n = accept(tokens[:, 1:], model.head(h), state.num_drafts[slots], q,
                     row_sampling(state, slots, shape), pos + 1)
     pending = out.gather(1, n[:, None])  # [B, 1]: the target's own token
+    caches.commit(slots, n)  # recurrent layers: the state after the last kept position
     state.lengths[slots] = length + n + 1  # the pending token's position
     state.tokens[slots, 0] = pending[:, 0]
     if not shape.drafts:
