@@ -26,10 +26,12 @@ def model_dir(args: argparse.Namespace) -> Path:
                        "pass --model DIR (a Hugging Face checkpoint directory with config.json, "
                        "tokenizer.json and safetensors), set AHEAD_MODEL, or set model in "
                        "the config file")
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise CliError(f"model directory {path} does not exist")
-    return path
+    from engine.model.hub import ModelNotFound, resolve_model
+
+    try:  # a directory, or a hub name (org/name[@revision]) in the Hugging Face cache
+        return resolve_model(model)
+    except ModelNotFound as e:
+        raise CliError(str(e)) from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,8 +58,9 @@ def load_engine(args: argparse.Namespace) -> Any:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the config file's, "
-                   "$AHEAD_MODEL, else the bundled model)")
+    p.add_argument("--model", help="checkpoint directory, or a Hugging Face name "
+                   "(Qwen/Qwen3.5-2B[@revision]) found in the local HF cache (default: the "
+                   "config file's, $AHEAD_MODEL, else the bundled model)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="default: bf16 on CUDA, fp32 on CPU")

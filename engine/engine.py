@@ -32,6 +32,7 @@ from engine.exec.compile import compiled_fns
 from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, probe
 from engine.generation import Generation, GenParams, Step
+from engine.model.hub import resolve_model
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
@@ -51,7 +52,7 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
         self.max_slots = slots
-        self.slots = SlotTable(slots, self.max_seq_len)
+        self.slots = SlotTable(slots, self.max_seq_len, recurrent=model.cfg.hybrid)
         self.k_max = k_max if model.num_mtp else 0
         self.width = self.k_max + 1  # the widest verify
         # How steps are shaped so that every row gets the bits its plain decoding gets (see
@@ -64,7 +65,8 @@ class Engine:
         self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
             if exact is None else exact
         # One slot more than asked for: padding rows run in it (see `_padded`).
-        self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1)
+        self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
+                             widest=self.width)
         self.state = DecodeState(slots + 1, self.k_max, model.cfg.vocab_size, self.device)
         self._pad_slot = slots
         # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA;
@@ -92,6 +94,7 @@ class Engine:
              dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
              exact: bool | None = None) -> Engine:
+        model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         model = load_model(model_dir, device=device, dtype=dtype)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact)

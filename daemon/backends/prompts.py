@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from daemon.fim import LAYOUTS
 from daemon.scheduler import Work
+from engine.model.hub import ModelNotFound, hf_hub_cache, snapshot
 from engine.prompt import continuation, fill_in
 from engine.tokenizer import Tokenizer
 
@@ -136,23 +137,15 @@ def find_tokenizer(tokenizer: str | None, served_model: str | None) -> Path | No
     return hf_cache_dir(served_model)
 
 
-def hf_hub_cache(env: Mapping[str, str] = os.environ) -> Path:
-    """The Hugging Face hub cache: HF_HUB_CACHE, else HF_HOME/hub, else the default."""
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
-    home = env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface"
-    return Path(home).expanduser() / "hub"
-
-
 def hf_cache_dir(name: str, env: Mapping[str, str] = os.environ) -> Path | None:
     """The snapshot of model `name` (e.g. "Qwen/Qwen2.5-Coder-7B") in the Hugging Face
-    cache that has a tokenizer.json: the one `refs/main` names, else the newest. Offline:
-    nothing is downloaded. (Issue #17 brings the engine's own resolver for model names;
-    this looks only for the tokenizer.)"""
+    cache that has a tokenizer.json: the one `refs/main` names (see `engine.model.hub`),
+    else the newest (a tokenizer rarely changes between revisions). Offline: nothing is
+    downloaded."""
+    try:
+        return snapshot(name, needs="tokenizer.json", env=env)
+    except ModelNotFound:
+        pass
     repo = hf_hub_cache(env) / ("models--" + name.replace("/", "--"))
     snapshots = [s for s in (repo / "snapshots").glob("*") if (s / "tokenizer.json").is_file()]
-    ref = repo / "refs" / "main"
-    main = repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
-    if main in snapshots:
-        return main
     return max(snapshots, key=lambda s: s.stat().st_mtime, default=None)

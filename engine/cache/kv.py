@@ -43,6 +43,7 @@ class CacheBatch:
     pos: Tensor  # [B, S] long
     kv_len: int  # keys read per row: a multiple of a block, or the whole cache
     span: tuple[int, int] | None = None  # when the slots are first..last-1, in order
+    per_position: bool = False  # recurrent layers keep their state after every position
     mask: Tensor = field(init=False)  # [B, 1, S, kv_len] bool, built on the device
 
     def __post_init__(self) -> None:

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 
 from engine.cache.kv import KVCache
+from engine.cache.state import StateCache, commit
+from engine.model.config import FULL
 from engine.model.layers import rope_tables
 from engine.model.transformer import Transformer
 
@@ -40,7 +42,9 @@ class Caches:
     """Every slot's device state, allocated once."""
 
     def __init__(self, model: Transformer, num_slots: int, max_seq_len: int,
-                 scratch: int) -> None:
+                 scratch: int, widest: int = 1) -> None:
+        """`widest`: the most positions a verify keeps the recurrent state after (hybrid
+        models keep that many snapshots, and the committed state, per slot and layer)."""
         cfg = model.cfg
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -51,7 +55,19 @@ class Caches:
             return [KVCache(num_slots, cfg.num_kv_heads, self.length, cfg.head_dim, self.device,
                             self.dtype) for _ in range(n)]
 
-        self.trunk = layers(cfg.num_layers)
+        # Which recurrent-state snapshot each slot has committed (see cache/state.py).
+        self.state_index = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.ring = widest + 1
+
+        def state() -> StateCache:
+            return StateCache(num_slots, self.ring, 2 * cfg.linear_num_k_heads *
+                              cfg.linear_k_head_dim + cfg.linear_num_v_heads *
+                              cfg.linear_v_head_dim, cfg.linear_conv_kernel,
+                              cfg.linear_num_v_heads, cfg.linear_k_head_dim,
+                              cfg.linear_v_head_dim, self.state_index, self.dtype)
+
+        self.trunk: list[KVCache | StateCache] = [layers(1)[0] if kind == FULL else state()
+                                                  for kind in cfg.layer_types]
         self.modules = [layers(cfg.mtp_layers_per_module) for _ in range(model.num_mtp)]
         self.hidden = torch.zeros(num_slots, self.length, cfg.hidden_size, device=self.device,
                                   dtype=self.dtype)  # trunk output h_t, [S, T, H]
@@ -61,18 +77,35 @@ class Caches:
         """cos, sin [..., D] at positions `pos`."""
         return self.cos[pos], self.sin[pos]
 
+    def commit(self, slots: Tensor, n: Tensor) -> None:
+        """Commit each slot's recurrent state after position n [B] of the last pass."""
+        commit(self.state_index, self.ring, slots, n)
+
+    def clear_state(self, slots: Tensor) -> None:
+        for cache in self.trunk:
+            if isinstance(cache, StateCache):
+                cache.clear(slots)
+
     def nbytes(self) -> int:
         tensors = [self.hidden, self.cos, self.sin]
-        for cache in [*self.trunk, *(c for m in self.modules for c in m)]:
+        for cache in [*self.kv_caches(), *(c for m in self.modules for c in m)]:
             tensors += [cache.k, cache.v]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.state_nbytes()
+
+    def kv_caches(self) -> list[KVCache]:
+        return [c for c in self.trunk if isinstance(c, KVCache)]
+
+    def state_nbytes(self) -> int:
+        """The recurrent states' memory: conv and delta-rule states with their snapshots."""
+        return sum(c.nbytes() for c in self.trunk if isinstance(c, StateCache))
 
 
 class Slot:
     """The host's record of one slot (see the module's docstring)."""
 
-    def __init__(self, index: int, max_seq_len: int) -> None:
+    def __init__(self, index: int, max_seq_len: int, recurrent: bool = False) -> None:
         self.index, self.max_seq_len = index, max_seq_len
+        self.recurrent = recurrent  # some layers keep a state that cannot be cut
         self.seq: list[int] = []
         self.length = 0
         self.mtp_len = 0
@@ -100,9 +133,12 @@ class Slot:
         trunk from. Module entry t depends on x_{t+1}, so c common positions leave c - 1
         reusable module entries, and the trunk restarts there too (it always runs the last
         token)."""
-        start = max(0, min(common_prefix(self.held(), tokens), len(tokens)) - 1)
-        self.length = min(self.length, start)
+        common = min(common_prefix(self.held(), tokens), len(tokens))
+        start = max(0, common - 1)
         self.mtp_len = min(self.mtp_len, start)
+        if self.recurrent:  # the state is that after all `length` positions, or nothing
+            start = self.length if common == self.length else 0
+        self.length = min(self.length, start)
         self.drafts, self.confidence = [], []
         return start
 
@@ -121,11 +157,11 @@ class Slot:
 class SlotTable:
     """Slots by key, at most `size` of them; a new key recycles the least recently used."""
 
-    def __init__(self, size: int, max_seq_len: int) -> None:
+    def __init__(self, size: int, max_seq_len: int, recurrent: bool = False) -> None:
         if size < 1:
             raise ValueError(f"need at least one KV-cache slot, got {size}")
         self.size = size
-        self._free = [Slot(i, max_seq_len) for i in reversed(range(size))]
+        self._free = [Slot(i, max_seq_len, recurrent) for i in reversed(range(size))]
         self._slots: OrderedDict[Hashable, Slot] = OrderedDict()
 
     def get(self, key: Hashable) -> Slot:

@@ -2,7 +2,9 @@
 what it holds is kept), several slots in one pass, in chunks; then pick the first tokens.
 
 Rows whose spans are shorter than the pass's widest are padded: their padding tokens sit at
-the cache's last (scratch) position, which no real query reads.
+the cache's last (scratch) position, which no real query reads. A hybrid model's rows run one
+per pass (padding would enter the recurrent state), each chunk committing the state after
+its last position.
 """
 
 from __future__ import annotations
@@ -45,9 +47,22 @@ def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: i
             raise ContextOverflow(f"prompt of {r.n} tokens does not fit a context of "
                                   f"{r.slot.max_seq_len} (with {spare} spare)")
     starts = [r.slot.cut_to(r.seq[:r.n]) for r in rows]
+    # Recurrent layers would carry padding into a row's state: there, one row per pass.
+    groups = [[i] for i in range(len(rows))] if model.cfg.hybrid else [list(range(len(rows)))]
+    for group in groups:
+        _run(model, caches, [rows[i] for i in group], [starts[i] for i in group], chunk)
+    for r in rows:
+        r.slot.hold(r.seq, r.n)
+    return starts
+
+
+def _run(model: Transformer, caches: Caches, rows: list[PrefillRow], starts: list[int],
+         chunk: int) -> None:
     device, scratch = caches.device, caches.length - 1
     slots = torch.tensor([r.slot.index for r in rows], device=device)
     longest = max(r.n - s for r, s in zip(rows, starts, strict=True))
+    if model.cfg.hybrid and starts == [0]:
+        caches.clear_state(slots)  # from the start: no state left by a previous holder
     for off in range(0, longest, chunk):
         width = min(chunk, longest - off)
         ids, pos = [], []
@@ -62,9 +77,7 @@ def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: i
                            span_of([r.slot.index for r in rows]))
         h = model.trunk(tokens, caches.rope(positions), batch, caches.trunk)
         caches.hidden[slots[:, None], positions] = h
-    for r in rows:
-        r.slot.hold(r.seq, r.n)
-    return starts
+        caches.commit(slots, torch.zeros_like(slots))  # the state after the chunk's last
 
 
 @torch.inference_mode()

@@ -88,7 +88,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     tokens = state.tokens[slots, :width]  # [B, W]
     length = state.lengths[slots]  # [B]
     pos = length[:, None] + torch.arange(width, device=tokens.device)  # [B, W]
-    batch = CacheBatch(slots, pos, shape.kv_len, shape.span)
+    batch = CacheBatch(slots, pos, shape.kv_len, shape.span, per_position=True)
     rope = caches.rope(pos)
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
@@ -98,6 +98,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
                     row_sampling(state, slots, shape), pos + 1)
     logp = token_logprobs(logits, out)
     pending = out.gather(1, n[:, None])  # [B, 1]: the target's own token
+    caches.commit(slots, n)  # recurrent layers: the state after the last kept position
     state.lengths[slots] = length + n + 1  # the pending token's position
     state.tokens[slots, 0] = pending[:, 0]
     if not shape.drafts:

@@ -38,7 +38,8 @@ class Invariance:
 def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 300,
           seed: int = 0) -> Invariance:
     cfg = model.cfg
-    caches = Caches(model, max_batch, prefix + 2 * width_max, scratch=width_max)
+    caches = Caches(model, max_batch, prefix + 2 * width_max, scratch=width_max,
+                    widest=width_max)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (1, prefix + width_max), generator=gen)
     ids = ids.to(caches.device)
@@ -46,12 +47,13 @@ def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 300,
     pos = torch.arange(prefix, device=caches.device)[None].expand(max_batch, -1)
     model.trunk(ids[:, :prefix].expand(max_batch, -1), caches.rope(pos),
                 CacheBatch(slots, pos, kv_blocks(prefix, caches.length)), caches.trunk)
+    caches.commit(slots, torch.zeros_like(slots))
 
     def first_row(width: int, batch: int, kv_len: int) -> torch.Tensor:
         window = ids[:, prefix:prefix + width].expand(batch, -1)
         p = prefix + torch.arange(width, device=caches.device)[None].expand(batch, -1)
-        h = model.trunk(window, caches.rope(p), CacheBatch(slots[:batch], p, kv_len),
-                        caches.trunk)
+        h = model.trunk(window, caches.rope(p), CacheBatch(slots[:batch], p, kv_len,
+                                                           per_position=True), caches.trunk)
         return model.head(h)[:, 0]  # [B, V], the head run as the step runs it
 
     full = caches.length

@@ -1,4 +1,5 @@
-"""Grouped-query attention with optional QKV bias and q/k norm, over the slots' KV caches.
+"""Grouped-query attention with optional QKV bias, q/k norm and (Qwen3.5) an output gate,
+over the slots' KV caches.
 
 A cached forward writes each row's keys and values into its slot, then attends over a fixed
 number of keys (kv_len) with a mask built from the positions. The attention is written out
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
 from engine.model.config import ModelConfig
-from engine.model.layers import RMSNorm, apply_rope, fuse_linears
+from engine.model.layers import apply_rope, fuse_linears, norm
 
 
 class Attention(nn.Module):
@@ -24,13 +25,16 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = hd = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        # With the gate, q_proj makes per head its query, then its gate's logits.
+        self.gated = cfg.attn_output_gate
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd * (1 + self.gated),
+                                bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = norm(cfg, hd)
+            self.k_norm = norm(cfg, hd)
         self.qk_norm = cfg.qk_norm
         self.fused: tuple[Tensor, Tensor | None] | None = None
 
@@ -45,8 +49,12 @@ class Attention(nn.Module):
         if self.fused is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = F.linear(x, *self.fused).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-        q = q.view(bsz, seqlen, hq, hd)  # [B, S, H, D]
+            q, k, v = F.linear(x, *self.fused).split([hq * hd * (1 + self.gated), hkv * hd,
+                                                      hkv * hd], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(bsz, seqlen, hq, 2 * hd).chunk(2, dim=-1)  # [B, S, H, D] each
+        q = q.reshape(bsz, seqlen, hq, hd)  # [B, S, H, D]
         k = k.view(bsz, seqlen, hkv, hd)  # [B, S, Hkv, D]
         v = v.view(bsz, seqlen, hkv, hd)
         if self.qk_norm:
@@ -61,6 +69,8 @@ class Attention(nn.Module):
             k_all, v_all = cache.update(batch, k, v)  # [B, Hkv, kv_len, D]
             y = masked_attention(q, k_all, v_all, batch.mask)
         y = y.transpose(1, 2).reshape(bsz, seqlen, hq * hd)  # [B, S, H*D]
+        if gate is not None:
+            y = y * torch.sigmoid(gate.reshape(bsz, seqlen, hq * hd))
         return self.o_proj(y)
 
 

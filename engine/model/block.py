@@ -1,28 +1,41 @@
-"""One pre-norm decoder block: attention then the MLP, each added to the residual stream."""
+"""One pre-norm decoder block: attention (full, or Gated DeltaNet in a hybrid model's linear
+layers) then the MLP, each added to the residual stream."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
+from engine.cache.state import StateCache
 from engine.model.attention import Attention
-from engine.model.config import ModelConfig
-from engine.model.layers import MLP, RMSNorm
+from engine.model.config import FULL, ModelConfig
+from engine.model.deltanet import GatedDeltaNet
+from engine.model.layers import MLP, norm
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str = FULL) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg)
+        self.linear = kind != FULL
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = norm(cfg)
         self.mlp = MLP(cfg)
 
     def fuse(self) -> None:
-        self.self_attn.fuse()
+        (self.linear_attn if self.linear else self.self_attn).fuse()
         self.mlp.fuse()
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], batch: CacheBatch | None = None,
-                cache: KVCache | None = None) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, batch, cache)
+                cache: KVCache | StateCache | None = None) -> Tensor:
+        if self.linear:
+            assert cache is None or isinstance(cache, StateCache)
+            mixed = self.linear_attn(self.input_layernorm(x), batch, cache)
+        else:
+            assert cache is None or isinstance(cache, KVCache)
+            mixed = self.self_attn(self.input_layernorm(x), rope, batch, cache)
+        h = x + mixed
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,4 +1,8 @@
-"""Model configuration: one dataclass for the dense decoder family, read from HF `config.json`."""
+"""Model configuration: one dataclass for the decoder family, read from HF `config.json`.
+
+Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` wrapper's `text_config`) is a hybrid:
+`layer_types` mixes full attention (gated, partial rotary) with Gated DeltaNet layers
+(`linear_*`), and its norms scale by (1 + w)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ _FAMILIES: dict[str, dict[str, bool | None]] = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "mimo": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": None, "qk_norm": True},
+    "qwen3_5": {"qkv_bias": None, "qk_norm": True},
 }
+FULL, LINEAR = "full_attention", "linear_attention"  # the layer kinds, as HF names them
 # rope type -> the settings it cannot do without
 _ROPE_REQUIRES: dict[str, tuple[str, ...]] = {
     "default": (), "linear": ("factor",), "yarn": ("factor",),
@@ -51,10 +57,23 @@ class ModelConfig:
     mtp_layers_per_module: int = 1
     mtp_naming: str = "deepseek"  # which checkpoint naming the MTP modules follow (see weights.py)
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Hybrid models (Qwen3.5): each layer's kind (empty: all full attention), the Gated
+    # DeltaNet layers' shapes, and the traits of their full-attention layers.
+    layer_types: tuple[str, ...] = ()
+    linear_num_k_heads: int = 0
+    linear_num_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    partial_rotary_factor: float = 1.0  # rotate the first head_dim * this dims of q and k
+    attn_output_gate: bool = False  # q_proj also makes a sigmoid gate on the output
+    norm_offset: bool = False  # RMSNorms scale by (1 + w), w starting at 0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // max(self.num_heads, 1)
+        self.layer_types = tuple(self.layer_types) or (FULL,) * self.num_layers
+        self._check_hybrid()
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "num_kv_heads", "head_dim", "max_position_embeddings", "mtp_layers_per_module")
         for name in positive:
@@ -64,8 +83,9 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim % 2 or self.rotary_dim <= 0:
+            raise ConfigError(f"the rotary dims (head_dim {self.head_dim} * partial_rotary_factor "
+                              f"{self.partial_rotary_factor}) must be even and positive")
         if self.num_mtp_modules < 0:
             raise ConfigError(f"number of MTP modules must be >= 0, got {self.num_mtp_modules}")
         if self.mtp_naming not in MTP_NAMINGS:
@@ -76,6 +96,35 @@ class ModelConfig:
             raise ConfigError(f"the {self.mtp_naming!r} naming holds one block per MTP module; "
                               "several need the `mtp.*` naming")
         self._check_rope()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state (Gated DeltaNet) instead of a KV cache."""
+        return LINEAR in self.layer_types
+
+    def _check_hybrid(self) -> None:
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_layers} layers")
+        unknown = set(self.layer_types) - {FULL, LINEAR}
+        if unknown:
+            raise ConfigError(f"unknown layer types {sorted(unknown)}; supported: {FULL}, "
+                              f"{LINEAR}")
+        if not self.hybrid:
+            return
+        dims = ("linear_num_k_heads", "linear_num_v_heads", "linear_k_head_dim",
+                "linear_v_head_dim", "linear_conv_kernel")
+        for name in dims:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive for linear-attention layers, "
+                                  f"got {getattr(self, name)}")
+        if self.linear_num_v_heads % self.linear_num_k_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.linear_num_v_heads}) must be a "
+                              f"multiple of linear_num_key_heads ({self.linear_num_k_heads})")
 
     def _check_rope(self) -> None:
         scaling = self.rope_scaling or {}
@@ -92,18 +141,24 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config dict (transformers 4.x or 5.x layout)."""
+        raw = _text_part(raw)
         model_type = raw.get("model_type")
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(sorted(_FAMILIES))}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        if raw.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError("partial rotary embeddings (partial_rotary_factor) are not supported")
+        if raw.get("mtp_use_dedicated_embeddings"):
+            raise ConfigError("MTP modules with their own embeddings are not supported")
         if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
             raise ConfigError("sliding-window attention is not supported")
         traits = _FAMILIES[model_type]
         try:
+            partial = float(raw.get("partial_rotary_factor") or
+                            (raw.get("rope_parameters") or {}).get("partial_rotary_factor") or 1)
+            if partial != 1.0 and model_type != "qwen3_5":
+                raise ConfigError("partial rotary embeddings (partial_rotary_factor) are not "
+                                  "supported")
             heads = int(raw["num_attention_heads"])
             bias = bool(raw.get("attention_bias", False))
             eos = raw.get("eos_token_id")
@@ -130,6 +185,8 @@ class ModelConfig:
                            "mimo" if model_type == "mimo" else "deepseek",
                 mtp_layers_per_module=int(raw.get("mtp_num_hidden_layers") or 1),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                partial_rotary_factor=partial,
+                **(_hybrid(raw) if model_type == "qwen3_5" else {}),
             )
         except KeyError as e:
             raise ConfigError(f"missing required key {e.args[0]!r}") from None
@@ -178,6 +235,17 @@ class ModelConfig:
         }
         if self.eos_token_ids:
             raw["eos_token_id"] = list(self.eos_token_ids)
+        if self.family == "qwen3_5":
+            raw.update(model_type="qwen3_5_text", layer_types=list(self.layer_types),
+                       linear_num_key_heads=self.linear_num_k_heads,
+                       linear_num_value_heads=self.linear_num_v_heads,
+                       linear_key_head_dim=self.linear_k_head_dim,
+                       linear_value_head_dim=self.linear_v_head_dim,
+                       linear_conv_kernel_dim=self.linear_conv_kernel,
+                       attn_output_gate=self.attn_output_gate,
+                       rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                                        "partial_rotary_factor": self.partial_rotary_factor})
+            del raw["rope_theta"], raw["rope_scaling"]
         if self.num_mtp_modules and self.mtp_naming == "mtp":
             raw["mtp_num_hidden_layers"] = self.mtp_layers_per_module
         elif self.num_mtp_modules:
@@ -192,7 +260,38 @@ class ModelConfig:
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "mimo": "MiMoForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+         "mimo": "MiMoForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3_5": "Qwen3_5ForCausalLM"}
+
+
+def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: the multimodal Qwen3.5 wrapper keeps it in `text_config`
+    (its head's tying at the top level); the text config names itself `qwen3_5_text`."""
+    if raw.get("model_type") == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+        text = dict(raw["text_config"])
+        if "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        raw = text
+    if raw.get("model_type") == "qwen3_5_text":
+        raw = {**raw, "model_type": "qwen3_5"}
+    return raw
+
+
+def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's hybrid settings; the layer kinds from `layer_types`, else every
+    `full_attention_interval`-th layer is full attention."""
+    layers = int(raw["num_hidden_layers"])
+    interval = int(raw.get("full_attention_interval") or 4)
+    kinds = raw.get("layer_types") or [LINEAR if (i + 1) % interval else FULL
+                                       for i in range(layers)]
+    return {"layer_types": tuple(kinds),
+            "linear_num_k_heads": int(raw.get("linear_num_key_heads", 16)),
+            "linear_num_v_heads": int(raw.get("linear_num_value_heads", 32)),
+            "linear_k_head_dim": int(raw.get("linear_key_head_dim", 128)),
+            "linear_v_head_dim": int(raw.get("linear_value_head_dim", 128)),
+            "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
+            "attn_output_gate": bool(raw.get("attn_output_gate", True)),
+            "norm_offset": True}
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
@@ -203,7 +302,8 @@ def _rope_theta(raw: dict[str, Any]) -> float:
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     """transformers 5 folds scaling into `rope_parameters`; 4.x used `rope_scaling`."""
     scaling = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
-    scaling.pop("rope_theta", None)
+    for key in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        scaling.pop(key, None)  # Qwen3.5's M-RoPE: text positions are the same on every axis
     rope_type = scaling.pop("type", None) or scaling.get("rope_type") or "default"
     if rope_type == "default":
         return None
@@ -227,6 +327,12 @@ def _num_mtp(raw: dict[str, Any]) -> int:
     return 1 if raw.get("mtp_num_hidden_layers") else 0
 
 
+_QWEN35_LAYERS = (LINEAR, LINEAR, LINEAR, FULL)
+_QWEN35: dict[str, Any] = {"linear_num_k_heads": 16, "linear_num_v_heads": 16,
+                           "linear_k_head_dim": 128, "linear_v_head_dim": 128,
+                           "partial_rotary_factor": 0.25, "attn_output_gate": True,
+                           "norm_offset": True}
+
 # Named presets (gpt-fast's idea): the bundled model's shape, and tiny ones for tests.
 PRESETS: dict[str, ModelConfig] = {
     # Deep and narrow with a small vocabulary, so one MTP module and the head cost a small
@@ -243,6 +349,21 @@ PRESETS: dict[str, ModelConfig] = {
                               num_kv_heads=2, head_dim=128, qkv_bias=True,
                               tie_word_embeddings=True, num_mtp_modules=1, rope_theta=1e6,
                               max_position_embeddings=32768),
+    # Qwen3.5-2B's shapes (three Gated DeltaNet layers to one gated-attention layer, its
+    # one-layer MTP module), for `ahead bench engine --preset`.
+    "qwen3.5-2b": ModelConfig(family="qwen3_5", vocab_size=248320, hidden_size=2048,
+                              intermediate_size=6144, num_layers=24, num_heads=8,
+                              num_kv_heads=2, head_dim=256, qk_norm=True,
+                              tie_word_embeddings=True, num_mtp_modules=1, mtp_naming="mtp",
+                              rope_theta=1e7, max_position_embeddings=262144,
+                              layer_types=_QWEN35_LAYERS * 6, **_QWEN35),
+    "tiny-qwen3.5": ModelConfig(family="qwen3_5", vocab_size=512, hidden_size=64,
+                                intermediate_size=128, num_layers=4, num_heads=4,
+                                num_kv_heads=2, head_dim=16, qk_norm=True, num_mtp_modules=1,
+                                mtp_naming="mtp", max_position_embeddings=1024,
+                                layer_types=_QWEN35_LAYERS,
+                                **{**_QWEN35, "linear_num_k_heads": 2, "linear_num_v_heads": 4,
+                                   "linear_k_head_dim": 16, "linear_v_head_dim": 16}),
     "tiny-llama": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_modules=1,
                               max_position_embeddings=1024),

@@ -15,16 +15,26 @@ from engine.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) * w; with `offset` (Qwen3.5) * (1 + w), w starting at 0."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32, scale in the input dtype: the order HF uses, so bf16 matches too.
+        # Normalise in fp32; scale in the input dtype (Llama, Qwen2/3) or in fp32 (Qwen3.5):
+        # the orders HF uses, so bf16 matches too.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The config's RMSNorm over `dim` (default: the hidden size)."""
+    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
@@ -64,8 +74,9 @@ class MLP(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies [D/2], with the config's scaling (linear, llama3 or yarn)."""
-    dim, base = cfg.head_dim, cfg.rope_theta
+    """Inverse frequencies [R/2] of the R rotary dims, with the config's scaling (linear,
+    llama3 or yarn)."""
+    dim, base = cfg.rotary_dim, cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
@@ -110,7 +121,7 @@ def _llama3_freq(inv_freq: Tensor, s: dict) -> Tensor:
 
 
 def _yarn_freq(inv_freq: Tensor, s: dict, cfg: ModelConfig) -> Tensor:
-    dim, base, factor = cfg.head_dim, cfg.rope_theta, float(s["factor"])
+    dim, base, factor = cfg.rotary_dim, cfg.rope_theta, float(s["factor"])
     orig_len = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
@@ -130,16 +141,20 @@ def _yarn_freq(inv_freq: Tensor, s: dict, cfg: ModelConfig) -> Tensor:
 
 def rope_tables(cfg: ModelConfig, max_seq_len: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, D] in the half-split layout HF uses (rotate_half)."""
+    """cos, sin [T, R] in the half-split layout HF uses (rotate_half), R the rotary dims."""
     t = torch.arange(max_seq_len, dtype=torch.float32)
-    freqs = torch.outer(t, rope_inv_freq(cfg))  # [T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+    freqs = torch.outer(t, rope_inv_freq(cfg))  # [T, R/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
     scale = rope_attention_factor(cfg)
     return ((emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x [B, S, H, D]; cos/sin [S, D] for the tokens' positions, or [B, S, D] per row
+    # x [B, S, H, D]; cos/sin [S, R] for the tokens' positions, or [B, S, R] per row; the
+    # first R dims rotate, the rest pass (partial rotary)
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from engine.cache.kv import CacheBatch, KVCache
 from engine.model.block import DecoderBlock
 from engine.model.config import ModelConfig
-from engine.model.layers import RMSNorm
+from engine.model.layers import norm
 
 Rope = tuple[Tensor, Tensor]
 
@@ -24,17 +24,16 @@ Rope = tuple[Tensor, Tensor]
 class MTPModule(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.enorm, self.hnorm = norm(cfg), norm(cfg)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.mtp_layers_per_module))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm(cfg)
         self.hidden_first = cfg.mtp_naming == "mimo"
 
     def forward(self, h: Tensor, emb: Tensor, rope: Rope, batch: CacheBatch | None = None,
                 caches: Sequence[KVCache] | None = None) -> Tensor:
         e, hn = self.enorm(emb), self.hnorm(h)
         x = self.eh_proj(torch.cat([hn, e] if self.hidden_first else [e, hn], dim=-1))  # [B, S, H]
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks):  # full attention, also in hybrid models
             x = block(x, rope, batch, None if caches is None else caches[i])
         return x

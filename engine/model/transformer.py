@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
+from engine.cache.state import StateCache
 from engine.model.block import DecoderBlock
 from engine.model.config import ModelConfig
-from engine.model.layers import RMSNorm, rope_tables
+from engine.model.layers import norm, rope_tables
 from engine.model.mtp import MTPModule, Rope
 
 
@@ -24,8 +25,8 @@ class TrunkModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderBlock(cfg, kind) for kind in cfg.layer_types)
+        self.norm = norm(cfg)
 
 
 class Transformer(nn.Module):
@@ -55,7 +56,7 @@ class Transformer(nn.Module):
                 module.fuse()
 
     def trunk(self, tokens: Tensor, rope: Rope, batch: CacheBatch | None = None,
-              caches: Sequence[KVCache] | None = None) -> Tensor:
+              caches: Sequence[KVCache | StateCache] | None = None) -> Tensor:
         """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):

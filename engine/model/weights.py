@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -149,12 +149,27 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
         cfg = _add_heads(model_dir / HEADS_FILE, cfg, files)
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {to_checkpoint_name(n, cfg): (n, tuple(p.shape))
+    files, stored = _wrapper_names(files)
+    expected = {stored(to_checkpoint_name(n, cfg)): (n, tuple(p.shape))
                 for n, p in model.state_dict().items()}
     _check_names(expected, files, cfg, model_dir)
     state = _read_tensors(expected, files, torch.device(device), dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()
+
+
+# The multimodal Qwen3.5 wrapper: the text model under model.language_model., beside a
+# vision tower that ahead does not run (its tensors are known, and skipped).
+_LANGUAGE, _VISUAL = "model.language_model.", "model.visual."
+
+
+def _wrapper_names(files: dict[str, Path]) -> tuple[dict[str, Path], Callable[[str], str]]:
+    """The tensors to load and how our checkpoint names map to the stored ones."""
+    if not any(n.startswith(_LANGUAGE) for n in files):
+        return files, lambda name: name
+    text = {n: f for n, f in files.items() if not n.startswith(_VISUAL)}
+    return text, lambda name: _LANGUAGE + name[len("model."):] if name.startswith("model.") \
+        else name
 
 
 def _add_heads(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> ModelConfig:
@@ -180,8 +195,8 @@ def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[s
                   and not (cfg.mtp_naming == "deepseek" and n.endswith(_SHARED_COPIES))
                   and not n.endswith("rotary_emb.inv_freq")]
     if unexpected:
-        raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r}"
-                              + _more(unexpected))
+        raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensors "
+                              f"{', '.join(map(repr, unexpected[:8]))}" + _more(unexpected, 8))
     missing = [n for n in expected if n not in files]
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor {missing[0]!r}" + _more(missing))
@@ -201,8 +216,8 @@ def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[s
                                   f"expected {list(shape)}")
 
 
-def _more(names: list[str]) -> str:
-    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+def _more(names: list[str], shown: int = 1) -> str:
+    return f" (and {len(names) - shown} more)" if len(names) > shown else ""
 
 
 def _read_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],

@@ -1,0 +1,61 @@
+"""Recurrent state: every slot's conv and delta-rule state for one Gated DeltaNet layer, with
+the snapshots a verify pass keeps, allocated once.
+
+A KV cache rolls back by moving a length; a recurrent state cannot be cut, so each slot keeps
+a ring of R = width + 1 states per layer (width: the widest verify, k_max + 1). `index[slot]`
+names the committed one. A pass that runs S positions writes the state after each of them
+(or, for a prefill chunk, only after its last) into the ring entries after the committed one,
+never over it; the step then commits the state after the accepted position by moving the
+index (`commit`): a pick, never a recompute, and no copy. One entry more than the k_max + 1
+snapshots a verify makes: the committed state must survive the pass that reads it, so that a
+pass can be run again (the invariance probe does) and nothing is copied at commit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class StateCache:
+    """One layer's states for all slots: conv [slots, R, C, K-1] (the last K-1 inputs of
+    the convolution) and the delta rule's [slots, R, H, Dk, Dv] in fp32."""
+
+    __slots__ = ("conv", "index", "ring", "state")
+
+    def __init__(self, num_slots: int, ring: int, conv_size: int, kernel: int, num_heads: int,
+                 k_dim: int, v_dim: int, index: Tensor, dtype: torch.dtype) -> None:
+        device = index.device
+        self.ring, self.index = ring, index  # index [slots]: shared by every layer
+        self.conv = torch.zeros(num_slots, ring, conv_size, kernel - 1, device=device,
+                                dtype=dtype)
+        self.state = torch.zeros(num_slots, ring, num_heads, k_dim, v_dim, device=device,
+                                 dtype=torch.float32)
+
+    def read(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The committed conv [B, C, K-1] and recurrent [B, H, Dk, Dv] states of `slots`."""
+        at = self.index[slots]
+        return self.conv[slots, at], self.state[slots, at]
+
+    def write(self, slots: Tensor, conv: Tensor, state: Tensor) -> None:
+        """The states after each of S positions, conv [B, S, C, K-1] and state
+        [B, S, H, Dk, Dv], into the ring entries after the committed one."""
+        steps = torch.arange(1, conv.shape[1] + 1, device=slots.device)
+        at = (self.index[slots, None] + steps) % self.ring  # [B, S]
+        self.conv[slots[:, None], at] = conv.to(self.conv.dtype)
+        self.state[slots[:, None], at] = state
+
+    def clear(self, slots: Tensor) -> None:
+        """The committed states of `slots` back to zero (nothing seen yet)."""
+        at = self.index[slots]
+        self.conv[slots, at] = 0
+        self.state[slots, at] = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+
+
+def commit(index: Tensor, ring: int, slots: Tensor, n: Tensor) -> None:
+    """Make the state after position n [B] of the last pass (0: its first, or a prefill
+    chunk's last) the committed one of `slots`."""
+    index[slots] = (index[slots] + 1 + n) % ring
