@@ -76,7 +76,7 @@ class Raw:
         await self.writer.wait_closed()
 
 
-INVALID_UTF8 = {  # 24 cases: each string field of each request, and a map key
+INVALID_UTF8 = {  # 19 cases: each string field of each request, and map keys
     "op": {"op": MARK, "id": 2},
     "generate.prompt": {"op": "generate", "id": 2, "prompt": MARK},
     "generate.stop": {"op": "generate", "id": 2, "prompt": "x", "stop": [MARK]},
