@@ -48,6 +48,8 @@ class CompletionRequest(msgspec.Struct):
         if not self.prompts() or len(self.prompts()) * (self.n or 1) > MAX_CHOICES:
             raise ValueError(f"prompt must be a text or 1 to {MAX_CHOICES} texts "
                              f"(times n: at most {MAX_CHOICES} choices)")
+        p.check_sampling(1.0 if self.temperature is None else self.temperature,
+                         self.top_p or 1.0)  # the socket's rule: subnormals are refused too
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -81,6 +83,7 @@ class InfillRequest(msgspec.Struct):
     def __post_init__(self) -> None:
         if self.n_predict > MAX_TOKENS:
             raise ValueError(f"n_predict must be at most {MAX_TOKENS}")
+        p.check_sampling(self.temperature, self.top_p)
 
     def max_tokens(self) -> int:
         return self.n_predict if self.n_predict > 0 else MAX_TOKENS // 16

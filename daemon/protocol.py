@@ -29,7 +29,7 @@ class FrameError(Exception):
     """A frame that cannot be read; the connection is not usable after it."""
 
 
-def _check_sampling(temperature: float, top_p: float = 1.0) -> None:
+def check_sampling(temperature: float, top_p: float = 1.0) -> None:
     """The engine's rule (`engine.decode.sampling.Sampling`), checked at the wire so a bad
     value is answered as a bad request at once: greedy (0), or a temperature the softmax
     can take. NaN fails every comparison, so it is refused along with inf, subnormals and
@@ -77,7 +77,7 @@ class Complete(_Msg, tag="complete"):
     priority: Priority = "editor"
 
     def __post_init__(self) -> None:  # msgspec answers a ValueError here as invalid
-        _check_sampling(self.temperature)
+        check_sampling(self.temperature)
 
 
 class Generate(_Msg, tag="generate"):
@@ -94,7 +94,7 @@ class Generate(_Msg, tag="generate"):
     priority: Priority = "cli"
 
     def __post_init__(self) -> None:
-        _check_sampling(self.temperature, self.top_p)
+        check_sampling(self.temperature, self.top_p)
 
 
 class Cancel(_Msg, tag="cancel"):

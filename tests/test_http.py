@@ -102,6 +102,7 @@ async def test_malformed_requests_get_a_400_that_says_what_is_wrong(daemon: Serv
              (b'{"prompt": "x", "max_tokens": 100000}', 400, "<= 2048"),
              (b'{"prompt": [], "max_tokens": 1}', 400, "prompt must be"),
              (b'{"max_tokens": 1}', 400, "prompt"),
+             (b'{"prompt": "x", "temperature": 5e-324}', 400, "temperature must be"),
              (b'{"prompt": "' + b"x" * (3 << 20) + b'"}', 413, "")]
     async with aiohttp.ClientSession(headers=auth) as session:
         for body, status, says in cases:
@@ -114,6 +115,10 @@ async def test_malformed_requests_get_a_400_that_says_what_is_wrong(daemon: Serv
                 "prompt": "x", "max_tokens": 2, "logprobs": None, "user": "u",
                 "frequency_penalty": 0}) as resp:
             assert resp.status == 200
+        async with session.post(url + "/infill", json={"prompt": "x", "temperature": 1e-300}
+                                ) as resp:
+            assert resp.status == 400
+            assert "temperature must be" in (await resp.json())["error"]["message"]
 
 
 async def test_infill_in_llama_servers_shape(daemon: Server) -> None:
