@@ -70,3 +70,14 @@ async def test_the_language_server_completes_with_a_qwen35_model(env: Path, hub:
         assert result.items and isinstance(result.items[0].insert_text, str)
     finally:
         await stop(client, env)
+
+
+def test_bench_engine_runs_a_hybrid_preset_built_in_memory(tmp_path: Path) -> None:
+    """`--preset` (random weights in the preset's shapes): tiny-qwen3.5 here, qwen3.5-2b's
+    real shapes take the same path."""
+    out = tmp_path / "steps.json"
+    proc = ahead("bench", "engine", "--preset", "tiny-qwen3.5", "--k-max", "2", "--context",
+                 "40", "--max-new-tokens", "6", "--max-seq-len", "256", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["preset"] == "tiny-qwen3.5" and "tiny-qwen3.5" in proc.stdout
