@@ -84,7 +84,18 @@ class LocalBackend:
                 "last_reload_error": reloader.last_error if reloader else None,
                 "policy_restored": self.policy_restored,
                 "model_threads": torch.get_num_threads(),
+                **self._memory(),
                 **self.engine.policy.report()}
+
+    def _memory(self) -> dict[str, Any]:
+        """The slots' device memory; for hybrid models, the recurrent states' share of it
+        (conv and delta-rule states, k_max + 2 per slot and layer: see cache/state.py)."""
+        caches, mib = self.engine.caches, 1 << 20
+        out: dict[str, Any] = {"cache_mib": round(caches.nbytes() / mib, 1)}
+        if self.engine.model.cfg.hybrid:
+            out["recurrent_state_mib"] = round(caches.state_nbytes() / mib, 2)
+            out["state_snapshots_per_slot"] = caches.ring
+        return out
 
     def _plan(self, jobs: list[Job]) -> list[Job]:
         """Under the scheduler's lock: the jobs of the next step (none: wait)."""
