@@ -25,6 +25,12 @@
     timeout = 30                     # seconds the server may stay silent
     http = "127.0.0.1:8741"          # serve the HTTP endpoint here (default: off)
 
+    # What is worth showing (engine/decode/quality.py): a suggestion whose confidence (the
+    # geometric mean of its tokens' probabilities) is below the threshold is not shown or
+    # written; 0 shows everything the loop and echo rules let through.
+    min_confidence = 0.3             # inline completions (editors, `ahead complete`)
+    docstring_min_confidence = 0.4   # the docstring hook
+
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
 """
@@ -46,6 +52,8 @@ def switch(value: str | None) -> bool | None:
 
 
 BACKENDS = ("local", "openai")
+# Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
+MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.4
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
 
 
@@ -74,6 +82,8 @@ class Settings:
     fim_template: str | None = None
     timeout: float = 30.0
     http: str | None = None
+    min_confidence: float = MIN_CONFIDENCE
+    docstring_min_confidence: float = DOCSTRING_MIN_CONFIDENCE
 
     def __post_init__(self) -> None:
         for name in SWITCHES:
@@ -97,6 +107,9 @@ class Settings:
             raise ConfigFileError(f"url must start with http:// or https://, not {self.url!r}")
         if self.timeout <= 0:
             raise ConfigFileError("timeout must be positive")
+        for name in ("min_confidence", "docstring_min_confidence"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigFileError(f"{name} must be in [0, 1), not {getattr(self, name)!r}")
 
 
 def config_path() -> Path:

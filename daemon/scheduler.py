@@ -63,6 +63,8 @@ class Usage:
     k_hist: dict[int, int] = field(default_factory=dict)
     hop_s: float = 0.0  # a remote backend: time in transit (its round trip minus the
     #                     server's own time, when the server says what that was)
+    mean_logprob: float | None = None  # of the tokens so far (the local engine)
+    min_logprob: float | None = None
 
 
 @dataclass(eq=False)

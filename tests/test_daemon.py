@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ from daemon.instance import InstanceLock
 from daemon.scheduler import Backend
 from daemon.server import Server
 from engine import Engine
+from engine.decode import quality
 
 TIMEOUT = 30
 
@@ -89,6 +91,34 @@ async def test_generate_and_complete(daemon: Server) -> None:
     assert isinstance(chunks[-1], p.Done)
     streamed = "".join(c.text for c in chunks if isinstance(c, p.Chunk))
     assert streamed.startswith(chunks[-1].text) or chunks[-1].text.startswith(streamed)
+    await client.close()
+
+
+async def test_judged_completions_below_the_threshold_come_back_empty(daemon: Server) -> None:
+    """The Done frame carries the answer's scores; a completion whose confidence is below
+    the daemon's `min_confidence` comes back empty with the reason, one above it as it is."""
+    client = client_for(daemon)
+    judged_on_confidence = 0
+    for n, prefix in enumerate([PROMPT, "import os\n\n", "class A:\n    def f(self):\n"]):
+        req = {"session": "s", "prefix": prefix, "suffix": "\n", "max_tokens": 12}
+        free = await client.run(p.Complete(id=0, document=f"free{n}.py", judge=False, **req))
+        assert free.mean_logprob is not None and free.min_logprob is not None
+        assert free.min_logprob <= free.mean_logprob <= 0
+        conf = math.exp(free.mean_logprob)
+        scores = quality.Confidence(free.mean_logprob, free.min_logprob, free.stats.tokens)
+        if quality.verdict(free.text, free.finish_reason, scores, 0.0, prefix=prefix,
+                           suffix="\n") is not None:
+            continue  # a loop or an echo: withheld whatever the threshold
+        judged_on_confidence += 1
+        daemon.requests.min_confidence = min(conf + 0.01, 0.999)
+        held = await client.run(p.Complete(id=0, document=f"held{n}.py", **req))
+        assert (held.text, held.finish_reason) == ("", "low_confidence")
+        assert held.mean_logprob == pytest.approx(free.mean_logprob)
+        daemon.requests.min_confidence = max(conf - 0.01, 0.0)
+        shown = await client.run(p.Complete(id=0, document=f"shown{n}.py", **req))
+        assert (shown.text, shown.finish_reason) == (free.text, free.finish_reason)
+    assert judged_on_confidence
+    daemon.requests.min_confidence = 0.0
     await client.close()
 
 

@@ -155,7 +155,8 @@ class LocalBackend:
 def _usage(gen: Generation) -> Usage:
     s = gen.stats
     return Usage(tokens=len(gen.tokens), steps=s.steps, accepted=s.accepted,
-                 prompt_tokens=s.prompt_tokens, reused_tokens=s.reused_tokens, k_hist=s.k_hist)
+                 prompt_tokens=s.prompt_tokens, reused_tokens=s.reused_tokens, k_hist=s.k_hist,
+                 mean_logprob=s.mean_logprob, min_logprob=s.min_logprob)
 
 
 def _restoring(loader: Loader, policy_dir: Path) -> Loader:
