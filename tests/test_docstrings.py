@@ -232,11 +232,9 @@ async def test_through_the_daemon(trained_dir: Path, tmp_path: Path) -> None:
 
 CANDIDATES = {  # functions the hook may document, one file each
     "area.py": '"""Tools."""\n\n\ndef area(width, height):\n    return width * height\n',
-    "names.py": '"""Names."""\n\n\ndef read_names(path):\n    with open(path) as f:\n'
-                '        return [line.strip() for line in f]\n',
     "mean.py": '"""Sums."""\n\n\ndef mean(values):\n    return sum(values) / len(values)\n',
-    "parse.py": '"""Parsing."""\n\n\nclass Parser:\n    def parse(self, text):\n'
-                '        return text.split()\n',
+    "main.py": '"""The command."""\n\nimport sys\n\n\ndef main():\n    print(sys.argv)\n'
+               '    return 0\n',
 }
 
 
