@@ -67,6 +67,7 @@ class Complete(_Msg, tag="complete"):
     # with the reason as the finish reason (engine/decode/quality.py). False: the answer as
     # it is, with its scores, for a client that judges it itself.
     judge: bool = True
+    stop_loops: bool = True  # the local engine ends the answer where it loops (quality.py)
 
 
 class Generate(_Msg, tag="generate"):
@@ -81,6 +82,7 @@ class Generate(_Msg, tag="generate"):
     seed: int | None = None
     budget_ms: int | None = None
     priority: Priority = "cli"
+    stop_loops: bool = True  # the local engine ends the answer where it loops (quality.py)
 
 
 class Cancel(_Msg, tag="cancel"):

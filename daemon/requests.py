@@ -113,7 +113,8 @@ class Requests:
             return None
         work = Work(req.prefix, req.suffix, tuple((c.path, c.text) for c in req.extra),
                     max_tokens=req.max_tokens, temperature=req.temperature,
-                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key)
+                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key,
+                    stop_loops=req.stop_loops)
         job = self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms,
                        key=key, multiline=req.multiline)
         self._last[key] = _Last(req.prefix, req.suffix, job)
@@ -122,7 +123,7 @@ class Requests:
     def generate(self, req: p.Generate, listener: Listener) -> Job:
         work = Work(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature,
                     top_p=req.top_p, stop=tuple(req.stop), seed=req.seed, k=req.k,
-                    speculative=req.speculative, slot="generate")
+                    speculative=req.speculative, slot="generate", stop_loops=req.stop_loops)
         return self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms)
 
     def run(self, work: Work, listener: Listener, *, priority: p.Priority,

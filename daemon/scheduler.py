@@ -44,6 +44,7 @@ class Work:
     seed: int | None = None
     k: int | None = None  # the local engine's drafts per step (None: adaptive)
     speculative: bool = True
+    stop_loops: bool = True  # the local engine ends the answer where it loops
     slot: Hashable = None  # the local engine's KV-cache slot (a document keeps its prefix)
 
     @property

@@ -84,7 +84,7 @@ PROMPT = "def add(a, b):\n    return"
 
 async def test_generate_and_complete(daemon: Server) -> None:
     client = client_for(daemon)
-    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=12))
+    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=12, stop_loops=False))
     assert done.finish_reason in ("length", "stop") and done.stats.tokens > 0
     chunks = [r async for r in client.stream(p.Complete(
         id=0, session="s", document="a.py", prefix=PROMPT, suffix="\n", max_tokens=12))]
@@ -175,10 +175,10 @@ async def test_with_the_bundled_model_typing_prefills_only_what_was_typed(
 async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> None:
     client = client_for(daemon)
     old = client.stream(p.Complete(id=0, session="s", document="c.py", prefix="import os\n",
-                                   max_tokens=200, multiline=True))
+                                   max_tokens=200, multiline=True, stop_loops=False))
     assert isinstance(await anext(old), p.Chunk)  # the first request is running
     new = await client.run(p.Complete(id=0, session="s", document="c.py",
-                                      prefix="import sys\n", max_tokens=8))
+                                      prefix="import sys\n", max_tokens=8, stop_loops=False))
     assert new.finish_reason in ("length", "stop")
     rest = [r async for r in old]
     assert isinstance(rest[-1], p.Error) and "superseded" in rest[-1].message
@@ -201,10 +201,10 @@ async def test_status_reports_counters(daemon: Server) -> None:
 async def test_editor_requests_overtake_batch_work(daemon: Server) -> None:
     client = client_for(daemon)
     batch = client.stream(p.Generate(id=0, prompt=PROMPT, max_tokens=300, k=0,
-                                     priority="batch"))
+                                     priority="batch", stop_loops=False))
     assert isinstance(await anext(batch), p.Chunk)  # the batch job is running
     editor = await client.run(p.Complete(id=0, session="s", document="e.py", prefix=PROMPT,
-                                         max_tokens=6))
+                                         max_tokens=6, stop_loops=False))
     assert editor.finish_reason in ("length", "stop")
     rest = [r async for r in batch]  # the batch job resumes and finishes afterwards
     assert isinstance(rest[-1], p.Done) and rest[-1].stats.tokens == 300
@@ -235,11 +235,13 @@ async def test_concurrent_editors_share_each_step(daemon: Server) -> None:
 
 async def test_a_time_budget_returns_the_text_so_far(daemon: Server) -> None:
     client = client_for(daemon)
-    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=400, k=0, budget_ms=30))
+    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=400, k=0, budget_ms=30,
+                                       stop_loops=False))
     assert done.finish_reason == "deadline" and 0 < done.stats.tokens < 400 and done.text
     # A multi-line suggestion is cut back to whole lines.
     done = await client.run(p.Complete(id=0, session="s", document="f.py", prefix=PROMPT,
-                                       max_tokens=400, budget_ms=30, multiline=True))
+                                       max_tokens=400, budget_ms=30, multiline=True,
+                                       stop_loops=False))
     assert done.finish_reason == "deadline"
     assert done.text == "" or done.text.endswith("\n")
     await client.close()

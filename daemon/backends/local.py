@@ -148,7 +148,8 @@ class LocalBackend:
             prompt = engine.text_prompt(w.prefix)
         params = GenParams(max_new_tokens=w.max_tokens, temperature=w.temperature,
                            top_p=w.top_p, stop=w.stop, seed=w.seed, k=w.k,
-                           speculative=w.speculative, forced=prompt.forced)
+                           speculative=w.speculative, forced=prompt.forced,
+                           stop_loops=w.stop_loops)
         return engine.start(prompt.ids, params, slot=w.slot)
 
 
