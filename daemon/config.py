@@ -29,7 +29,7 @@
     # geometric mean of its tokens' probabilities) is below the threshold is not shown or
     # written; 0 shows everything the loop and echo rules let through.
     min_confidence = 0.3             # inline completions (editors, `ahead complete`)
-    docstring_min_confidence = 0.4   # the docstring hook
+    docstring_min_confidence = 0.25  # the docstring hook
 
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
@@ -53,7 +53,7 @@ def switch(value: str | None) -> bool | None:
 
 BACKENDS = ("local", "openai")
 # Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
-MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.4
+MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.25
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
 
 

@@ -261,14 +261,14 @@ def choose(result: dict[str, Any], *, min_shown: float, min_written: float) -> d
     """The thresholds the config defaults come from: for inline completions, the one that
     maximises the exact match of what is shown while at least `min_shown` of the positions
     get a suggestion; for docstrings, the lowest that writes no degenerate docstring, if
-    it writes at least `min_written` of them, else the one with the fewest degenerate."""
+    it writes at least `min_written` of them, else the lowest with the fewest degenerate."""
     sweep = result["sweep"]
     ok = [r for r in sweep if r["inline"]["shown_rate"] >= min_shown] or sweep[:1]
     inline = max(ok, key=lambda r: (r["inline"]["exact_of_shown"], -r["threshold"]))
     clean_docs = [r for r in sweep if r["docstrings"]["degenerate_written"] == 0
                   and r["docstrings"]["written_rate"] >= min_written]
     docs = clean_docs[0] if clean_docs else min(
-        sweep, key=lambda r: (r["docstrings"]["degenerate_written"], -r["threshold"]))
+        sweep, key=lambda r: (r["docstrings"]["degenerate_written"], r["threshold"]))
     return {"min_confidence": inline["threshold"],
             "docstring_min_confidence": docs["threshold"]}
 
