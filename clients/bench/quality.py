@@ -282,7 +282,7 @@ def format_report(result: dict[str, Any]) -> str:
         return (f"{label:<26}{i['shown_rate']:>7.2f}{i['exact_of_shown']:>7.2f}"
                 f"{i['prefix_of_shown']:>8.2f}{i['exact_of_all']:>10.2f}"
                 f"{d['written_rate']:>7.2f}{d['similarity']:>6.2f}"
-                f"{d['degenerate_written']:>4d}/{round(d['written_rate'] * d['cases']):<3d}")
+                f"{d['degenerate_written']:>4d}/{round(d['written_rate'] * d['cases'])}")
 
     lines = [f"{b['inline']['positions']} cursor positions, {b['docstrings']['cases']} "
              "docstrings", head, row("before (no rules)", b["inline"], b["docstrings"])]
