@@ -48,7 +48,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                  confidence=None if scores is None else round(scores.score, 3),
                  min_logprob=None if scores is None else round(scores.min_logprob, 2))
     if args.json:
-        json.dump({"prompt": prompt, "completion": text, **stats}, sys.stdout)
+        verdict = {k: stats[k] for k in ("finish_reason", "withheld", "confidence",
+                                          "min_logprob")}
+        json.dump({"prompt": prompt, "completion": text, **verdict, "stats": stats}, sys.stdout)
         sys.stdout.write("\n")
     elif withheld is None:
         _write(("" if stream else prompt + text) + "\n")
