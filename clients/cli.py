@@ -156,6 +156,37 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from clients.bench.quality import bench_quality, choose, format_report, plot
+    from training.corpus import heldout_stdlib_files
+
+    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise CliError(f"file {missing[0]} does not exist")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CliError("--plot needs matplotlib: pip install -e '.[plot]'") from None
+    engine = load_engine(args)
+
+    def progress(what: str) -> None:
+        print(f"\rbench: {what}   ", end="", file=sys.stderr, flush=True)
+
+    result = bench_quality(engine, files, num=args.num, docs=args.docs, seed=args.seed,
+                           max_tokens=args.max_tokens, progress=progress)
+    print(file=sys.stderr)
+    result["chosen"] = choose(result, min_shown=args.min_shown, min_written=0.2)
+    result["files"] = [str(f) for f in files]
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, Path(args.plot))
+    return 0
+
+
 def cmd_docstrings(args: argparse.Namespace) -> int:
     from clients.docstrings import command
 
@@ -219,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "multi-token-prediction speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="continue a prompt, streaming to stdout")
+    gen = sub.add_parser("generate", help="continue a prompt")
     gen.add_argument("prompt", help="the prompt text, or - to read stdin")
     add_model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -232,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speed figures to stderr")
     gen.add_argument("--json", action="store_true", help="one JSON object instead of a stream")
     gen.add_argument("--no-daemon", action="store_true", help="run the model in this process")
+    gen.add_argument("--raw", action="store_true", help="stream whatever the model writes, "
+                     "unjudged (default: the completion only if it passes the quality rules)")
+    gen.add_argument("--min-confidence", type=float, help="the confidence a completion "
+                     "needs (default: min_confidence in the config; 0: any)")
     gen.set_defaults(func=generate_cmds.cmd_generate)
 
     comp = sub.add_parser("complete", help="the completion at FILE:LINE:COL (1-based; "
@@ -295,6 +330,21 @@ def build_parser() -> argparse.ArgumentParser:
     lspb.add_argument("--keystrokes", type=int, default=100)
     lspb.add_argument("--json", help="write the results to this file")
     lspb.set_defaults(func=cmd_bench_lsp)
+    qual = bench_sub.add_parser("quality", help="would a person keep the suggestions: shown "
+                                "rate, exact match, docstrings, against the threshold")
+    add_model_args(qual)
+    qual.add_argument("--files", nargs="+", help="code to sample cursors from (default: "
+                      "held-out standard-library modules)")
+    qual.add_argument("--num", type=int, default=120, help="cursor positions")
+    qual.add_argument("--docs", type=int, default=40, help="docstrings")
+    qual.add_argument("--seed", type=int, default=0)
+    qual.add_argument("--max-tokens", type=int, default=48)
+    qual.add_argument("--min-shown", type=float, default=0.5, help="the inline threshold is "
+                      "the one with the best exact match of shown suggestions among those "
+                      "showing at least this share")
+    qual.add_argument("--json", help="write the results to this file")
+    qual.add_argument("--plot", help="write a PNG of quality against the threshold here")
+    qual.set_defaults(func=cmd_bench_quality)
 
     tr = sub.add_parser("train", help="train the bundled code model (resumes from OUT)")
     tr.add_argument("--out", default="runs/ahead-small", help="run directory")
@@ -334,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="only report what would change; files are left as they are")
     doc.add_argument("--no-daemon", action="store_true",
                      help="run the model in this process instead of through the daemon")
+    doc.add_argument("--min-confidence", type=float, help="the confidence a docstring needs "
+                     "to be written (default: docstring_min_confidence in the config; 0: any)")
     doc.set_defaults(func=cmd_docstrings)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "

@@ -42,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     stats_path=paths.state_dir() / "stats.json",
                     watch_debounce_ms=None if args.no_watch else 1500,
                     config_file=config_path(), http=http)
+    server.requests.min_confidence = cfg.min_confidence
 
     def ready() -> None:
         if args.ready_fd is not None:  # started by a client: say so, then detach from it

@@ -13,9 +13,12 @@ Exit status, for pre-commit: 1 when a file was changed (with `--check`: would be
 what a PEP 263 declaration names: it is written back in that encoding) or does not parse;
 otherwise 0. Files not ending in `.py` are skipped with a note; they do not set the status.
 `--check` runs the model as a real run does, so it reports exactly what that run would change.
-A function the model has nothing usable for is reported and left alone; it does not set the
-status either. A fatal error (no model, a daemon that cannot start) exits 1 with a message, as
-every `ahead` command does.
+A function the model has nothing usable for is reported as skipped and left alone; it does
+not set the status either. Usable means: it passes the quality rules (engine/decode/quality.py:
+no loop, and a confidence of at least `docstring_min_confidence` from the config, or
+`--min-confidence`). `--check` lists what would be added and what would be skipped. A
+fatal error (no model, a daemon that cannot start) exits 1 with a message, as every `ahead`
+command does.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from clients.docstring_edit import (
     NoCompletion,
     SourceError,
     add_docstrings,
+    clean,
     find_targets,
     split_lines,
 )
@@ -94,7 +98,7 @@ def process_file(path: Path, complete: Callable[[], Completer], *, check: bool,
     for target, _ in outcome.added:
         print(f"{path}:{target.lineno}: {verb} a docstring to {target.qualname}", file=out)
     for target, why in outcome.skipped:
-        print(f"{path}:{target.lineno}: no docstring for {target.qualname}: {why}", file=err)
+        print(f"{path}:{target.lineno}: skipped {target.qualname}: {why}", file=err)
     if not outcome.added:
         return False
     if not check:
@@ -137,22 +141,38 @@ def run(files: list[str], make_completer: Callable[[], Completer], *, check: boo
     return EXIT_CHANGED if changed else EXIT_SKIPPED_FILE if skipped else 0
 
 
-def engine_completer(engine: Any, max_tokens: int) -> Completer:
+def judged(text: str, reason: str | None, scores: Any, threshold: float) -> str:
+    """The model's text if it passes the quality rules at `threshold`; else NoCompletion,
+    saying why."""
+    from engine.decode import quality
+
+    withheld = quality.verdict(clean(text), reason, scores, threshold)
+    if withheld == quality.REPETITION:
+        raise NoCompletion("the model's text went round in a loop")
+    if withheld == quality.LOW_CONFIDENCE:
+        raise NoCompletion(f"the model is not sure of it (confidence {scores.score:.2f} < "
+                           f"{threshold:.2f})")
+    return text
+
+
+def engine_completer(engine: Any, max_tokens: int, threshold: float = 0.0) -> Completer:
     """Completions from an engine in this process, prompted as the daemon prompts."""
     from engine import GenParams
 
     def complete(document: str, prefix: str, suffix: str) -> str:
         prompt = engine.fill_in_prompt(prefix, suffix, max_new_tokens=max_tokens)
         params = GenParams(max_new_tokens=max_tokens, stop=(QUOTES,), forced=prompt.forced)
-        return str(engine.generate(prompt.ids, params, slot="docstrings").text)
+        gen = engine.generate(prompt.ids, params, slot="docstrings")
+        return judged(str(gen.text), gen.finish_reason, gen.confidence, threshold)
 
     return complete
 
 
-def daemon_completer(client: Any, max_tokens: int) -> Completer:
+def daemon_completer(client: Any, max_tokens: int, threshold: float = 0.0) -> Completer:
     """Completions from the daemon at batch priority, so editors' requests go first."""
     from daemon import protocol as p
     from daemon.client import RequestFailed
+    from engine.decode.quality import Confidence
 
     def complete(document: str, prefix: str, suffix: str) -> str:
         path = document.rpartition("#")[0]
@@ -160,10 +180,12 @@ def daemon_completer(client: Any, max_tokens: int) -> Completer:
             done = client.run(p.Complete(id=0, session="docstrings", document=document,
                                          prefix=prefix, suffix=suffix, language="python",
                                          path=path, max_tokens=max_tokens, multiline=True,
-                                         stop=['"""'], priority="batch"))
+                                         stop=['"""'], priority="batch", judge=False))
         except RequestFailed as e:
             raise NoCompletion(f"the daemon answered {e}") from None
-        return str(done.text)
+        scores = None if done.mean_logprob is None or done.min_logprob is None else \
+            Confidence(done.mean_logprob, done.min_logprob, done.stats.tokens)
+        return judged(str(done.text), done.finish_reason, scores, threshold)
 
     return complete
 
@@ -184,15 +206,20 @@ def command(args: argparse.Namespace, load_engine: Callable[[argparse.Namespace]
     """`ahead docstrings`, given the CLI's engine loader and model-directory resolution."""
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    threshold = args.min_confidence
+    if threshold is None:
+        from daemon.config import load_settings
+
+        threshold = load_settings().docstring_min_confidence
     if args.no_daemon:
-        return run(args.files, lambda: engine_completer(load_engine(args), args.max_tokens),
-                   check=args.check)
+        return run(args.files, lambda: engine_completer(load_engine(args), args.max_tokens,
+                                                        threshold), check=args.check)
     from daemon.client import SyncClient
 
     with contextlib.ExitStack() as stack:
         def make() -> Completer:
             client = stack.enter_context(SyncClient(serve_args=serve_args(args, model_dir),
                                                     client_name="ahead docstrings"))
-            return daemon_completer(client, args.max_tokens)
+            return daemon_completer(client, args.max_tokens, threshold)
 
         return run(args.files, make, check=args.check)

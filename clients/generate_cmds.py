@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients.common import CliError, load_engine, model_dir, serve_args
+from clients.common import CliError, load_engine, model_dir, serve_args, settings
 
 
 def _write(text: str) -> None:
@@ -22,25 +22,55 @@ def _write(text: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Print the completion if it passes the quality rules (engine/decode/quality.py), else
+    nothing and one line saying why; `--raw` streams whatever the model writes, then why
+    it stopped."""
+    from engine.decode import quality
+
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise CliError("empty prompt")
     if args.model:
         model_dir(args)  # a clear error for a bad --model, before any output
-    stream = not args.json
+    threshold = settings().min_confidence if args.min_confidence is None \
+        else args.min_confidence
+    stream = args.raw and not args.json
     if stream:
         _write(prompt)
     t0 = time.perf_counter()
     text, reason, stats = (_generate_here if args.no_daemon else _generate_daemon)(
         args, prompt, _write if stream else None)
     stats["total_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+    mean, low = stats.pop("mean_logprob"), stats.pop("min_logprob")
+    scores = None if mean is None else quality.Confidence(mean, low, stats["tokens"])
+    withheld = None if args.raw else quality.verdict(text, reason, scores, threshold)
+    stats.update(finish_reason=reason, withheld=withheld,
+                 confidence=None if scores is None else round(scores.score, 3),
+                 min_logprob=None if scores is None else round(scores.min_logprob, 2))
     if args.json:
-        json.dump({"prompt": prompt, "completion": text, "finish_reason": reason,
-                   "stats": stats}, sys.stdout)
-    sys.stdout.write("\n")
+        verdict = {k: stats[k] for k in ("finish_reason", "withheld", "confidence",
+                                          "min_logprob")}
+        json.dump({"prompt": prompt, "completion": text, **verdict, "stats": stats}, sys.stdout)
+        sys.stdout.write("\n")
+    elif withheld is None:
+        _write(("" if stream else prompt + text) + "\n")
     if args.stats and not args.json:
         print(" ".join(f"{k}={v}" for k, v in stats.items()), file=sys.stderr)
+    if not args.json and (withheld or reason not in ("stop", "length")):
+        print(f"ahead: {_why(withheld, reason, scores, threshold)}", file=sys.stderr)
     return 0
+
+
+def _why(withheld: str | None, reason: str | None, scores: Any, threshold: float) -> str:
+    """One line on why nothing was shown, or why the text stopped where it did."""
+    if withheld is None:
+        return f"stopped: {reason}" + (" (the model's text went round in a loop)"
+                                       if reason == "repetition" else "")
+    said = {"repetition": "the model's text went round in a loop",
+            "empty": "the model wrote nothing",
+            "low_confidence": f"the model is not sure of it (confidence "
+                              f"{scores.score if scores else 0:.2f} < {threshold:.2f})"}
+    return f"no completion: {said.get(withheld, withheld)} [--raw shows it]"
 
 
 def _generate_here(args: argparse.Namespace, prompt: str,
@@ -60,7 +90,8 @@ def _generate_here(args: argparse.Namespace, prompt: str,
         "tokens_per_s": round(decoded / s.decode_s, 1) if s.decode_s else None,
         "accepted_per_step": round(s.accepted / s.steps, 2) if s.steps else None,
         "k_histogram": dict(sorted(s.k_hist.items())),
-        "prefill_ms": round(s.prefill_s * 1000, 1)}
+        "prefill_ms": round(s.prefill_s * 1000, 1),
+        "mean_logprob": s.mean_logprob, "min_logprob": s.min_logprob}
 
 
 def _generate_daemon(args: argparse.Namespace, prompt: str,
@@ -71,7 +102,9 @@ def _generate_daemon(args: argparse.Namespace, prompt: str,
                      temperature=args.temperature, top_p=args.top_p, stop=list(args.stop),
                      k=args.k, speculative=not args.no_spec, seed=args.seed)
     done = _through_daemon(args, msg, emit)
-    return done.text, done.finish_reason, _daemon_stats(done.stats)
+    return done.text, done.finish_reason, {**_daemon_stats(done.stats),
+                                           "mean_logprob": done.mean_logprob,
+                                           "min_logprob": done.min_logprob}
 
 
 def _through_daemon(args: argparse.Namespace, msg: Any, emit: Any) -> Any:
@@ -139,12 +172,16 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline: bool) -> str:
     from engine import GenParams
+    from engine.decode import quality
 
     engine = load_engine(args)
     prompt = engine.fill_in_prompt(prefix, suffix, max_new_tokens=args.max_tokens)
     params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",),
                        forced=prompt.forced)
-    return str(engine.generate(prompt.ids, params).text)
+    gen = engine.generate(prompt.ids, params)
+    withheld = quality.verdict(gen.text, gen.finish_reason, gen.confidence,
+                               settings().min_confidence, prefix=prefix, suffix=suffix)
+    return "" if withheld else str(gen.text)  # as the daemon answers an editor
 
 
 def _complete_daemon(args: argparse.Namespace, path: Path, prefix: str, suffix: str,

@@ -26,6 +26,12 @@
     http = "127.0.0.1:8741"          # serve the HTTP endpoint here (default: off)
     log_max_bytes = 10485760         # daemon.log is rotated at this size (two old ones kept)
 
+    # What is worth showing (engine/decode/quality.py): a suggestion whose confidence (the
+    # geometric mean of its tokens' probabilities) is below the threshold is not shown or
+    # written; 0 shows everything the loop and echo rules let through.
+    min_confidence = 0.3             # inline completions (editors, `ahead complete`)
+    docstring_min_confidence = 0.25  # the docstring hook
+
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
 """
@@ -47,6 +53,8 @@ def switch(value: str | None) -> bool | None:
 
 
 BACKENDS = ("local", "openai")
+# Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
+MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.25
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
 
 
@@ -76,6 +84,8 @@ class Settings:
     timeout: float = 30.0
     http: str | None = None
     log_max_bytes: int = 10 * 1024 * 1024
+    min_confidence: float = MIN_CONFIDENCE
+    docstring_min_confidence: float = DOCSTRING_MIN_CONFIDENCE
 
     def __post_init__(self) -> None:
         for name in SWITCHES:
@@ -101,6 +111,9 @@ class Settings:
             raise ConfigFileError("timeout must be positive")
         if self.log_max_bytes < 1024:
             raise ConfigFileError("log_max_bytes must be at least 1024")
+        for name in ("min_confidence", "docstring_min_confidence"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigFileError(f"{name} must be in [0, 1), not {getattr(self, name)!r}")
 
 
 def config_path() -> Path:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: RequestStats.hop_ms
+PROTOCOL_VERSION = 3  # 2: RequestStats.hop_ms; 3: Done's scores, Complete.judge
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 HEADER_BYTES = 4
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
@@ -75,6 +75,12 @@ class Complete(_Msg, tag="complete"):
     temperature: float = 0.0
     stop: list[str] = []  # where the answer ends, besides the model's end tokens
     priority: Priority = "editor"
+    # The daemon's quality rules decide whether there is an answer: one below its
+    # `min_confidence`, an echo of the text around the cursor or a loop comes back empty,
+    # with the reason as the finish reason (engine/decode/quality.py). False: the answer as
+    # it is, with its scores, for a client that judges it itself.
+    judge: bool = True
+    stop_loops: bool = True  # the local engine ends the answer where it loops (quality.py)
 
     def __post_init__(self) -> None:  # msgspec answers a ValueError here as invalid
         check_sampling(self.temperature)
@@ -92,6 +98,7 @@ class Generate(_Msg, tag="generate"):
     seed: int | None = None
     budget_ms: int | None = None
     priority: Priority = "cli"
+    stop_loops: bool = True  # the local engine ends the answer where it loops (quality.py)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p)
@@ -153,8 +160,13 @@ class RequestStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
 class Done(_Msg, tag="done"):
     id: int
     text: str
-    finish_reason: str
+    finish_reason: str  # "stop", "length", "deadline", "repetition"; for a judged
+    #                     completion that came back empty: "low_confidence", "echo"
     stats: RequestStats = msgspec.field(default_factory=RequestStats)
+    # Of the answer's tokens under the model (None: a backend that gives none): the mean
+    # and the minimum log-probability; exp(mean) is the confidence `min_confidence` is on.
+    mean_logprob: float | None = None
+    min_logprob: float | None = None
 
 
 class Error(_Msg, tag="error"):

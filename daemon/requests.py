@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from daemon import protocol as p
 from daemon.scheduler import PRIORITIES, Job, Scheduler, Work
+from engine.decode import quality
 
 _OVERLAP = 4096  # characters of the earlier prefix's end that must match
 Send = Callable[[p.Reply], None]  # thread-safe: hands a frame to the connection's writer
@@ -30,6 +31,8 @@ class Listener:
         self.on_end = on_end
         self.ended = False
         self.final: p.RequestStats | None = None  # set when it is done
+        self.judge: float | None = None  # judged by the quality rules at this threshold
+        self.withheld: str | None = None  # why a judged answer came back empty
 
     def text(self, text: str) -> None:
         self.send(p.Chunk(id=self.req_id, text=text))
@@ -38,9 +41,17 @@ class Listener:
     # and asks for the status sees this request counted.
     def done(self, job: Job) -> None:
         self.final = self.stats(job)
+        text, reason, u = job.text[self.skip:], job.finish_reason or "stop", job.usage
+        if self.judge is not None and text.strip():
+            scores = None if u.mean_logprob is None or u.min_logprob is None else \
+                quality.Confidence(u.mean_logprob, u.min_logprob, u.tokens)
+            self.withheld = quality.verdict(job.text, reason, scores, self.judge,
+                                            prefix=job.work.prefix, suffix=job.work.suffix)
+            if self.withheld is not None:
+                text, reason = "", self.withheld
         self._end()
-        self.send(p.Done(id=self.req_id, text=job.text[self.skip:],
-                         finish_reason=job.finish_reason or "stop", stats=self.final))
+        self.send(p.Done(id=self.req_id, text=text, finish_reason=reason, stats=self.final,
+                         mean_logprob=u.mean_logprob, min_logprob=u.min_logprob))
 
     def error(self, code: str, message: str) -> None:
         self._end()
@@ -80,11 +91,14 @@ class Requests:
         self._last: dict[tuple[str, str], _Last] = {}
         self.typed_through = 0
         self.completions = 0
+        self.min_confidence = 0.0  # judged completions below it come back empty (config)
 
     def complete(self, req: p.Complete, listener: Listener) -> Job | None:
         """Start or join a completion; None when it was answered at once."""
         self.completions += 1
         key = (req.session, req.document)
+        if req.judge:
+            listener.judge = self.min_confidence
         hit = self._typed(key, req)
         if hit is not None:
             job, typed = hit
@@ -99,7 +113,8 @@ class Requests:
             return None
         work = Work(req.prefix, req.suffix, tuple((c.path, c.text) for c in req.extra),
                     max_tokens=req.max_tokens, temperature=req.temperature,
-                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key)
+                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key,
+                    stop_loops=req.stop_loops)
         job = self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms,
                        key=key, multiline=req.multiline)
         self._last[key] = _Last(req.prefix, req.suffix, job)
@@ -108,7 +123,7 @@ class Requests:
     def generate(self, req: p.Generate, listener: Listener) -> Job:
         work = Work(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature,
                     top_p=req.top_p, stop=tuple(req.stop), seed=req.seed, k=req.k,
-                    speculative=req.speculative, slot="generate")
+                    speculative=req.speculative, slot="generate", stop_loops=req.stop_loops)
         return self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms)
 
     def run(self, work: Work, listener: Listener, *, priority: p.Priority,

@@ -44,6 +44,7 @@ class Work:
     seed: int | None = None
     k: int | None = None  # the local engine's drafts per step (None: adaptive)
     speculative: bool = True
+    stop_loops: bool = True  # the local engine ends the answer where it loops
     slot: Hashable = None  # the local engine's KV-cache slot (a document keeps its prefix)
 
     @property
@@ -63,6 +64,8 @@ class Usage:
     k_hist: dict[int, int] = field(default_factory=dict)
     hop_s: float = 0.0  # a remote backend: time in transit (its round trip minus the
     #                     server's own time, when the server says what that was)
+    mean_logprob: float | None = None  # of the tokens so far (the local engine)
+    min_logprob: float | None = None
 
 
 @dataclass(eq=False)

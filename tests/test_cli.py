@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,14 +34,14 @@ def private_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 def test_generate_streams_a_completion_through_the_daemon(trained_dir: Path,
                                                          private_daemon: Path) -> None:
     proc = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
-                 "--stats")
+                 "--stats", "--raw")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def add(a, b):")
     assert len(proc.stdout) > len("def add(a, b):\n")
     assert "tokens_per_s=" in proc.stderr and "accepted_per_step=" in proc.stderr
     assert (private_daemon / "daemon.sock").exists()  # it stays for the next command
     here = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
-                 "--no-daemon")
+                 "--no-daemon", "--raw")
     assert here.stdout == proc.stdout
     assert ahead("status").returncode == 0
     stopped = ahead("stop")
@@ -48,6 +49,25 @@ def test_generate_streams_a_completion_through_the_daemon(trained_dir: Path,
     assert ahead("status").returncode == 3  # gone by the time `stop` returned
     again = ahead("stop")
     assert again.returncode == 0 and "no daemon running" in again.stderr
+
+
+def test_generate_shows_a_completion_only_above_the_threshold(trained_dir: Path) -> None:
+    base = ("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
+            "--no-daemon")
+    raw = ahead(*base, "--raw", "--json")
+    assert raw.returncode == 0, raw.stderr
+    info = json.loads(raw.stdout)
+    conf = info["confidence"]
+    assert 0 < conf <= 1 and info["min_logprob"] <= math.log(conf)
+    below = ahead(*base, "--min-confidence", f"{min(conf + 0.01, 0.999):.3f}", "--stats")
+    assert below.returncode == 0 and below.stdout == "", below.stdout
+    assert "confidence=" in below.stderr and "finish_reason=" in below.stderr
+    assert "ahead: no completion:" in below.stderr.splitlines()[-1]
+    above = ahead(*base, "--min-confidence", f"{max(conf - 0.01, 0):.3f}")
+    if info["finish_reason"] == "repetition":
+        assert above.stdout == "" and "went round in a loop" in above.stderr
+    else:
+        assert above.stdout == "def add(a, b):" + info["completion"] + "\n", above.stderr
 
 
 def test_generate_json_from_stdin_is_identical_without_speculation(trained_dir: Path) -> None:

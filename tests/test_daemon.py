@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ from daemon.instance import InstanceLock
 from daemon.scheduler import Backend
 from daemon.server import Server
 from engine import Engine
+from engine.decode import quality
 
 TIMEOUT = 30
 
@@ -82,13 +84,41 @@ PROMPT = "def add(a, b):\n    return"
 
 async def test_generate_and_complete(daemon: Server) -> None:
     client = client_for(daemon)
-    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=12))
+    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=12, stop_loops=False))
     assert done.finish_reason in ("length", "stop") and done.stats.tokens > 0
     chunks = [r async for r in client.stream(p.Complete(
         id=0, session="s", document="a.py", prefix=PROMPT, suffix="\n", max_tokens=12))]
     assert isinstance(chunks[-1], p.Done)
     streamed = "".join(c.text for c in chunks if isinstance(c, p.Chunk))
     assert streamed.startswith(chunks[-1].text) or chunks[-1].text.startswith(streamed)
+    await client.close()
+
+
+async def test_judged_completions_below_the_threshold_come_back_empty(daemon: Server) -> None:
+    """The Done frame carries the answer's scores; a completion whose confidence is below
+    the daemon's `min_confidence` comes back empty with the reason, one above it as it is."""
+    client = client_for(daemon)
+    judged_on_confidence = 0
+    for n, prefix in enumerate([PROMPT, "import os\n\n", "class A:\n    def f(self):\n"]):
+        req = {"session": "s", "prefix": prefix, "suffix": "\n", "max_tokens": 12}
+        free = await client.run(p.Complete(id=0, document=f"free{n}.py", judge=False, **req))
+        assert free.mean_logprob is not None and free.min_logprob is not None
+        assert free.min_logprob <= free.mean_logprob <= 0
+        conf = math.exp(free.mean_logprob)
+        scores = quality.Confidence(free.mean_logprob, free.min_logprob, free.stats.tokens)
+        if quality.verdict(free.text, free.finish_reason, scores, 0.0, prefix=prefix,
+                           suffix="\n") is not None:
+            continue  # a loop or an echo: withheld whatever the threshold
+        judged_on_confidence += 1
+        daemon.requests.min_confidence = min(conf + 0.01, 0.999)
+        held = await client.run(p.Complete(id=0, document=f"held{n}.py", **req))
+        assert (held.text, held.finish_reason) == ("", "low_confidence")
+        assert held.mean_logprob == pytest.approx(free.mean_logprob)
+        daemon.requests.min_confidence = max(conf - 0.01, 0.0)
+        shown = await client.run(p.Complete(id=0, document=f"shown{n}.py", **req))
+        assert (shown.text, shown.finish_reason) == (free.text, free.finish_reason)
+    assert judged_on_confidence
+    daemon.requests.min_confidence = 0.0
     await client.close()
 
 
@@ -145,10 +175,10 @@ async def test_with_the_bundled_model_typing_prefills_only_what_was_typed(
 async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> None:
     client = client_for(daemon)
     old = client.stream(p.Complete(id=0, session="s", document="c.py", prefix="import os\n",
-                                   max_tokens=200, multiline=True))
+                                   max_tokens=200, multiline=True, stop_loops=False))
     assert isinstance(await anext(old), p.Chunk)  # the first request is running
     new = await client.run(p.Complete(id=0, session="s", document="c.py",
-                                      prefix="import sys\n", max_tokens=8))
+                                      prefix="import sys\n", max_tokens=8, stop_loops=False))
     assert new.finish_reason in ("length", "stop")
     rest = [r async for r in old]
     assert isinstance(rest[-1], p.Error) and "superseded" in rest[-1].message
@@ -171,10 +201,10 @@ async def test_status_reports_counters(daemon: Server) -> None:
 async def test_editor_requests_overtake_batch_work(daemon: Server) -> None:
     client = client_for(daemon)
     batch = client.stream(p.Generate(id=0, prompt=PROMPT, max_tokens=300, k=0,
-                                     priority="batch"))
+                                     priority="batch", stop_loops=False))
     assert isinstance(await anext(batch), p.Chunk)  # the batch job is running
     editor = await client.run(p.Complete(id=0, session="s", document="e.py", prefix=PROMPT,
-                                         max_tokens=6))
+                                         max_tokens=6, stop_loops=False))
     assert editor.finish_reason in ("length", "stop")
     rest = [r async for r in batch]  # the batch job resumes and finishes afterwards
     assert isinstance(rest[-1], p.Done) and rest[-1].stats.tokens == 300
@@ -205,11 +235,13 @@ async def test_concurrent_editors_share_each_step(daemon: Server) -> None:
 
 async def test_a_time_budget_returns_the_text_so_far(daemon: Server) -> None:
     client = client_for(daemon)
-    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=400, k=0, budget_ms=30))
+    done = await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=400, k=0, budget_ms=30,
+                                       stop_loops=False))
     assert done.finish_reason == "deadline" and 0 < done.stats.tokens < 400 and done.text
     # A multi-line suggestion is cut back to whole lines.
     done = await client.run(p.Complete(id=0, session="s", document="f.py", prefix=PROMPT,
-                                       max_tokens=400, budget_ms=30, multiline=True))
+                                       max_tokens=400, budget_ms=30, multiline=True,
+                                       stop_loops=False))
     assert done.finish_reason == "deadline"
     assert done.text == "" or done.text.endswith("\n")
     await client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok(trained_engine: Engine) -> Tokenizer:
-    return trained_engine.tokenizer
+def tok(model_dir: Path) -> Tokenizer:
+    """The bundled model's tokenizer: the pieces real loops are made of."""
+    return Tokenizer.from_dir(model_dir)
 
 
 def looped(tok: Tokenizer, text: str) -> int | None:
@@ -30,6 +32,7 @@ def looped(tok: Tokenizer, text: str) -> int | None:
     "    return self.value\n    pass\n    return self.value\n    x = 1\n"
     "    return self.value\n",
     "the the the the the the",
+    'Return a ``(k``) = ``(k``) = ``(k``) = ``(k``) = ``(k``)',
 ])
 def test_crafted_loops_stop(tok: Tokenizer, text: str) -> None:
     at = looped(tok, text)
@@ -41,6 +44,7 @@ def test_crafted_loops_stop(tok: Tokenizer, text: str) -> None:
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + "
     "fibonacci(n - 2)\n",
     "table = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]\n",
+    "point = (x, x, x, x)\n",
     "# ====================================================\n",
     "    }\n    }\n    }\n",
     "a = 1\nb = 2\na = 1\nc = 3\n",

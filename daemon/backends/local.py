@@ -159,14 +159,16 @@ class LocalBackend:
             prompt = engine.text_prompt(w.prefix)
         params = GenParams(max_new_tokens=w.max_tokens, temperature=w.temperature,
                            top_p=w.top_p, stop=w.stop, seed=w.seed, k=w.k,
-                           speculative=w.speculative, forced=prompt.forced)
+                           speculative=w.speculative, forced=prompt.forced,
+                           stop_loops=w.stop_loops)
         return engine.start(prompt.ids, params, slot=w.slot)
 
 
 def _usage(gen: Generation) -> Usage:
     s = gen.stats
     return Usage(tokens=len(gen.tokens), steps=s.steps, accepted=s.accepted,
-                 prompt_tokens=s.prompt_tokens, reused_tokens=s.reused_tokens, k_hist=s.k_hist)
+                 prompt_tokens=s.prompt_tokens, reused_tokens=s.reused_tokens, k_hist=s.k_hist,
+                 mean_logprob=s.mean_logprob, min_logprob=s.min_logprob)
 
 
 def _restoring(loader: Loader, policy_dir: Path) -> Loader:

@@ -2,9 +2,9 @@
 score, in one place for every path (inline completion, `ahead generate`, docstrings, bench).
 
 - Loops: a generation stops (finish reason "repetition") when its last tokens repeat a unit
-  of words three times in a row ("a list of a list of a list of"), or when a line repeats the
-  one before it, or a substantial line comes a third time. Units without a word (`0, 0, 0`,
-  `====`) are code, not loops.
+  of text three times in a row ("a list of a list of a list of"), or when a line repeats the
+  one before it, or a substantial line comes a third time. Units without a letter (`0, 0, 0`,
+  `====`) or too short to be text (`x, x, x`) are code, not loops.
 - Echo: a suggestion that only repeats the text around the cursor (the rest of the line, or
   lines already just above or below) adds nothing.
 - Confidence: the mean and the minimum log-probability, under the target model at
@@ -31,6 +31,7 @@ LINE_MIN_CHARS = 8  # a line repeated right after itself is a loop from this man
 LINE_THIRD_CHARS = 16  # ... and one seen a third time, from this many
 ECHO_LINES = 3  # lines above and below the cursor that a suggestion may not merely repeat
 _WORD = re.compile(r"[A-Za-z_]{2,}")
+_LETTER = re.compile(r"[A-Za-z]")
 
 # Why a suggestion is not shown or written (besides an empty one).
 REPETITION, ECHO, LOW_CONFIDENCE, EMPTY = "repetition", "echo", "low_confidence", "empty"
@@ -85,7 +86,7 @@ class LoopWatch:
                 continue
             unit = toks[n - p:]
             if all(toks[n - (i + 1) * p:n - i * p] == unit for i in range(1, LOOP_UNITS)) \
-                    and _WORD.search("".join(self._piece(t) for t in unit)):
+                    and _wordy("".join(self._piece(t) for t in unit)):
                 return True
         return False
 
@@ -102,6 +103,13 @@ class LoopWatch:
                 return True
             self._lines.append(norm)
         return False
+
+
+def _wordy(unit: str) -> bool:
+    """Whether a repeated unit is text rather than data: a word, or a letter among three
+    or more other characters ("k``) = ``(", not "0, " or "x, ")."""
+    return bool(_WORD.search(unit)) or (bool(_LETTER.search(unit)) and
+                                        len("".join(unit.split())) >= 3)
 
 
 def loops(tokens: Sequence[int], piece: Callable[[int], str]) -> bool:
