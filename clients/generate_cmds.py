@@ -43,7 +43,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats["total_ms"] = round((time.perf_counter() - t0) * 1000, 1)
     mean, low = stats.pop("mean_logprob"), stats.pop("min_logprob")
     scores = None if mean is None else quality.Confidence(mean, low, stats["tokens"])
-    withheld = None if args.raw else quality.verdict(text, reason, scores, threshold)
+    if not args.raw:  # a text that fell into a loop keeps what came before it
+        text, withheld = quality.judged(text, reason, scores, threshold)
+    else:
+        withheld = None
     stats.update(finish_reason=reason, withheld=withheld,
                  confidence=None if scores is None else round(scores.score, 3),
                  min_logprob=None if scores is None else round(scores.min_logprob, 2))
@@ -179,9 +182,9 @@ def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline
     params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",),
                        forced=prompt.forced)
     gen = engine.generate(prompt.ids, params)
-    withheld = quality.verdict(gen.text, gen.finish_reason, gen.confidence,
-                               settings().min_confidence, prefix=prefix, suffix=suffix)
-    return "" if withheld else str(gen.text)  # as the daemon answers an editor
+    shown, _ = quality.judged(gen.text, gen.finish_reason, gen.confidence,
+                              settings().min_confidence, prefix=prefix, suffix=suffix)
+    return shown  # as the daemon answers an editor
 
 
 def _complete_daemon(args: argparse.Namespace, path: Path, prefix: str, suffix: str,

@@ -45,10 +45,13 @@ class Listener:
         if self.judge is not None and text.strip():
             scores = None if u.mean_logprob is None or u.min_logprob is None else \
                 quality.Confidence(u.mean_logprob, u.min_logprob, u.tokens)
-            self.withheld = quality.verdict(job.text, reason, scores, self.judge,
-                                            prefix=job.work.prefix, suffix=job.work.suffix)
+            shown, self.withheld = quality.judged(job.text, reason, scores, self.judge,
+                                                  prefix=job.work.prefix,
+                                                  suffix=job.work.suffix)
             if self.withheld is not None:
                 text, reason = "", self.withheld
+            elif reason == quality.REPETITION:  # what came before the loop
+                text = shown[self.skip:]
         self._end()
         self.send(p.Done(id=self.req_id, text=text, finish_reason=reason, stats=self.final,
                          mean_logprob=u.mean_logprob, min_logprob=u.min_logprob))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from clients import docstrings
-from tests.test_docstrings import FAST, assert_only_insertions, documented
+from tests.test_docstrings import FAST, HOOK_TOKENS, assert_only_insertions, documented
 
 LATIN = (b"# -*- coding: latin-1 -*-\n"
          b'"""Caf\xe9 tools."""\n\n\n'
@@ -35,7 +35,8 @@ def test_pre_commit_hook_keeps_a_declared_encoding(model_dir: Path, tmp_path: Pa
                               timeout=300, check=False)
 
     entry = shlex.join([sys.executable, "-m", "clients.cli", "docstrings", "--no-daemon",
-                        "--model", str(model_dir), *FAST])
+                        "--model", str(model_dir), *FAST, "--max-tokens", str(HOOK_TOKENS),
+                        "--min-confidence", "0"])  # what is tested here is the encoding
     (repo / ".pre-commit-config.yaml").write_text(
         "repos:\n- repo: local\n  hooks:\n  - id: ahead-docstrings\n    name: ahead docstrings\n"
         f"    entry: {entry}\n    language: system\n    types: [python]\n"

@@ -113,3 +113,19 @@ def test_verdict() -> None:
     assert quality.verdict("  \n", "stop", sure, 0.0) == quality.EMPTY
     assert quality.verdict("x + 1", "stop", None, 0.5) is None  # no scores: not judged
     assert quality.confidence([]) is None
+
+
+def test_an_answer_that_loops_keeps_its_lines_before_the_loop() -> None:
+    block = "def _is_real_2(x):\n    return isinstance(x, float)\n"
+    looped = "    return a + b\n\n" + block * 3 + "def _is_re"
+    assert quality.before_loop(looped) == "    return a + b"
+    assert quality.judged(looped, quality.REPETITION, None, 0.3) == ("    return a + b", None)
+    # A line repeated right after itself: the loop starts at its first copy.
+    assert quality.before_loop("x = compute()\nprint(total)\nprint(total)\n") == \
+        "x = compute()"
+    # Caught within the first line: nothing before it, so nothing is shown.
+    assert quality.judged("a list of a list of a list of", quality.REPETITION, None, 0.0) \
+        == ("", quality.REPETITION)
+    # The kept part is judged by the other rules too.
+    low = quality.Confidence(math.log(0.1), math.log(0.01), 9)
+    assert quality.judged(looped, quality.REPETITION, low, 0.3) == ("", quality.LOW_CONFIDENCE)

@@ -128,9 +128,9 @@ def complete_at(engine: Engine, c: Cursor, *, rules: bool, max_tokens: int) -> A
         max_new_tokens=max_tokens, stop=() if multiline else ("\n",), forced=prompt.forced,
         stop_loops=rules), slot="bench")
     scores = gen.confidence
-    withheld = quality.verdict(gen.text, gen.finish_reason, scores, 0.0, prefix=c.prefix,
-                               suffix=c.suffix) if rules else None
-    shown = "" if withheld else postprocess(gen.text, line_before_cursor=cl.before,
+    text, withheld = quality.judged(gen.text, gen.finish_reason, scores, 0.0, prefix=c.prefix,
+                                    suffix=c.suffix) if rules else (gen.text, None)
+    shown = "" if withheld else postprocess(text, line_before_cursor=cl.before,
                                             line_after_cursor=cl.after, suffix=c.suffix,
                                             multiline=multiline)
     first, want = shown.split("\n")[0].rstrip(), c.expected.rstrip()

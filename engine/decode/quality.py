@@ -138,6 +138,43 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
+def before_loop(text: str) -> str:
+    """The complete lines of a suggestion that ended in a loop (finish reason REPETITION)
+    before the loop began: the line it was caught in goes, and from the first copy of a line
+    that the line rules find repeated. `return a + b` stays when a block repeats after it."""
+    lines = text.split("\n")[:-1]  # the loop was caught in the last line
+    first: dict[str, int] = {}
+    count: Counter[str] = Counter()
+    prev: tuple[str, int] | None = None
+    for i, line in enumerate(lines):
+        norm = _norm(line)
+        if not norm:
+            continue
+        if prev is not None and norm == prev[0] and len(norm) >= LINE_MIN_CHARS:
+            return "\n".join(lines[:first[norm]]).rstrip()
+        first.setdefault(norm, i)
+        count[norm] += 1
+        if count[norm] >= 3 and len(norm) >= LINE_THIRD_CHARS:
+            return "\n".join(lines[:first[norm]]).rstrip()
+        prev = (norm, i)
+    return "\n".join(lines).rstrip()
+
+
+def judged(text: str, finish_reason: str | None, scores: Confidence | None,
+           min_confidence: float, *, prefix: str | None = None,
+           suffix: str | None = None) -> tuple[str, str | None]:
+    """What of an inline suggestion or a generated text to show, and why nothing is (see
+    `verdict`): one that fell into a loop keeps its complete lines before the loop, judged
+    by the other rules (its scores are those of the whole answer)."""
+    if finish_reason == REPETITION:
+        text = before_loop(text)
+        if not text.strip():
+            return "", REPETITION
+        finish_reason = "stop"
+    why = verdict(text, finish_reason, scores, min_confidence, prefix=prefix, suffix=suffix)
+    return ("" if why else text), why
+
+
 def verdict(text: str, finish_reason: str | None, scores: Confidence | None,
             min_confidence: float, *, prefix: str | None = None,
             suffix: str | None = None) -> str | None:
