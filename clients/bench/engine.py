@@ -100,10 +100,12 @@ def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens:
     """Every prompt in every mode; with `peer`, also in another engine (greedy tokens and
     its decode rate for prompt ids and a number of new tokens), after ours."""
     ks = list(range(1, engine.k_max + 1)) if ks is None else ks
-    modes: dict[str, GenParams] = {"ar": GenParams(max_new_tokens, speculative=False)}
+    # Decode speed over the same lengths as before the loop rule (and as the peer decodes).
+    modes: dict[str, GenParams] = {"ar": GenParams(max_new_tokens, speculative=False,
+                                                   stop_loops=False)}
     if engine.k_max:
-        modes |= {f"fixed.{k}": GenParams(max_new_tokens, k=k) for k in ks}
-        modes["adaptive"] = GenParams(max_new_tokens)
+        modes |= {f"fixed.{k}": GenParams(max_new_tokens, k=k, stop_loops=False) for k in ks}
+        modes["adaptive"] = GenParams(max_new_tokens, stop_loops=False)
     _run(engine, prompts[0], modes["adaptive" if engine.k_max else "ar"])  # warm-up
     rates: dict[str, list[float | None]] = {m: [] for m in modes}
     steps: dict[str, list[int]] = {m: [0, 0] for m in modes}  # tokens, verify steps

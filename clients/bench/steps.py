@@ -62,17 +62,18 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     say("prefill")
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     say("plain decoding")
-    plain, ar_steps = _timed(engine, prompts[0], GenParams(new_tokens, speculative=False))
+    plain, ar_steps = _timed(engine, prompts[0],
+                             GenParams(new_tokens, speculative=False, stop_loops=False))
     out["ar_step_ms"] = statistics.median(ar_steps) * 1e3
     out["ar_tokens_per_s"] = 1e3 / out["ar_step_ms"]
     identical = True
     out["step_ms_by_k"] = {}
     for k in ks:
         say(f"K={k}")
-        tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, k=k))
+        tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, k=k, stop_loops=False))
         identical &= tokens == plain
         out["step_ms_by_k"][str(k)] = statistics.median(times) * 1e3
-    tokens, times = _timed(engine, prompts[0], GenParams(new_tokens))
+    tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, stop_loops=False))
     identical &= tokens == plain
     out["adaptive_tokens_per_s"] = len(tokens) / sum(times)
     if slots > 1:
@@ -113,7 +114,8 @@ def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[list[i
 
 
 def _batched(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    alone = [engine.generate(p, GenParams(new_tokens, speculative=False), slot="bench").tokens
+    alone = [engine.generate(p, GenParams(new_tokens, speculative=False, stop_loops=False),
+                             slot="bench").tokens
              for p in prompts]
     gens = [engine.start(p, GenParams(new_tokens), slot=("batch", i))
             for i, p in enumerate(prompts)]
