@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -278,22 +279,8 @@ def test_pre_commit_hook_writes_the_confident_docstring_and_skips_the_other(
     sure, unsure = max(scores, key=scores.__getitem__), min(scores, key=scores.__getitem__)
     assert scores[sure] - scores[unsure] > 0.02, scores
     threshold = (scores[sure] + scores[unsure]) / 2
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"),
-           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-
-    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-
-    entry = shlex.join([sys.executable, "-m", "clients.cli", "docstrings", "--no-daemon",
-                        "--model", str(model_dir), *FAST, "--max-tokens", str(HOOK_TOKENS),
-                        "--min-confidence", f"{threshold:.4f}"])
-    (repo / ".pre-commit-config.yaml").write_text(
-        "repos:\n- repo: local\n  hooks:\n  - id: ahead-docstrings\n    name: ahead docstrings\n"
-        f"    entry: {entry}\n    language: system\n    types: [python]\n"
-        "    require_serial: true\n    verbose: true\n")
+    repo, run = hook_repo(tmp_path, model_dir, "--min-confidence", f"{threshold:.4f}",
+                          verbose=True)
     for name in (sure, unsure):
         (repo / name).write_text(CANDIDATES[name])
     assert run("git", "init", "-q").returncode == 0
@@ -327,3 +314,30 @@ def test_hook_manifest_names_the_command() -> None:
     assert {k: hook[k] for k in ("id", "name", "entry", "language", "types")} == {
         "id": "ahead-docstrings", "name": "ahead docstrings", "entry": "ahead docstrings",
         "language": "python", "types": ["python"]}
+
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def hook_repo(tmp_path: Path, model_dir: Path, *args: str,
+              verbose: bool = False) -> tuple[Path, Run]:
+    """A repository whose .pre-commit-config.yaml runs `ahead docstrings` on the model (short
+    docstrings, small caches, plus `args`), and a function running commands in it with a
+    private pre-commit home and no user git config."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"),
+           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
+    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+
+    entry = shlex.join([sys.executable, "-m", "clients.cli", "docstrings", "--no-daemon",
+                        "--model", str(model_dir), *FAST, "--max-tokens", str(HOOK_TOKENS),
+                        *args])
+    (repo / ".pre-commit-config.yaml").write_text(
+        "repos:\n- repo: local\n  hooks:\n  - id: ahead-docstrings\n    name: ahead docstrings\n"
+        f"    entry: {entry}\n    language: system\n    types: [python]\n"
+        "    require_serial: true\n" + ("    verbose: true\n" if verbose else ""))
+    return repo, run

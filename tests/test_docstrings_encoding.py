@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import io
-import os
-import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from clients import docstrings
-from tests.test_docstrings import FAST, HOOK_TOKENS, assert_only_insertions, documented
+from tests.test_docstrings import assert_only_insertions, documented, hook_repo
 
 LATIN = (b"# -*- coding: latin-1 -*-\n"
          b'"""Caf\xe9 tools."""\n\n\n'
@@ -25,22 +22,8 @@ LATIN = (b"# -*- coding: latin-1 -*-\n"
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_pre_commit_hook_keeps_a_declared_encoding(model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("pre_commit")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home"),
-           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-
-    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-
-    entry = shlex.join([sys.executable, "-m", "clients.cli", "docstrings", "--no-daemon",
-                        "--model", str(model_dir), *FAST, "--max-tokens", str(HOOK_TOKENS),
-                        "--min-confidence", "0"])  # what is tested here is the encoding
-    (repo / ".pre-commit-config.yaml").write_text(
-        "repos:\n- repo: local\n  hooks:\n  - id: ahead-docstrings\n    name: ahead docstrings\n"
-        f"    entry: {entry}\n    language: system\n    types: [python]\n"
-        "    require_serial: true\n")
+    # what is tested here is the encoding: no threshold
+    repo, run = hook_repo(tmp_path, model_dir, "--min-confidence", "0")
     (repo / "tools.py").write_bytes(LATIN)
     assert run("git", "init", "-q").returncode == 0
     assert run("git", "add", ".pre-commit-config.yaml", "tools.py").returncode == 0
