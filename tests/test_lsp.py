@@ -58,8 +58,9 @@ async def stop(client: LanguageClient, tmp: Path) -> None:
 
 
 @pytest_asyncio.fixture
-async def lsp(model_dir: Path, tmp_path: Path) -> AsyncIterator[LanguageClient]:
-    client = await start(model_dir, tmp_path)
+async def lsp(model_dir: Path, tmp_path: Path,
+              request: pytest.FixtureRequest) -> AsyncIterator[LanguageClient]:
+    client = await start(model_dir, tmp_path, env=getattr(request, "param", None))
     yield client
     await stop(client, tmp_path)
 
@@ -173,8 +174,12 @@ async def test_a_burst_answers_only_the_last(lsp: LanguageClient) -> None:
     assert results[-1] is not None and results[-1].items
 
 
+@pytest.mark.parametrize("lsp", [{"AHEAD_MIN_CONFIDENCE": "0"}], indirect=True)
 async def test_bad_input_gets_an_empty_answer_and_the_server_keeps_serving(
         lsp: LanguageClient) -> None:
+    # The threshold is off: what this asserts is that the server still answers after bad
+    # input, not how sure the model is (the huge file's lines reach the last prompt as context,
+    # and the bundled model's confidence there sits near the threshold, 0.36 against 0.3).
     unknown = "file:///nowhere/never-opened.py"
     assert await inline(lsp, unknown, types.Position(line=0, character=0)) is None
     uri = open_doc(lsp, "x = 1\n")
