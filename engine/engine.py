@@ -80,6 +80,7 @@ class Engine:
         # steps need; eager steps take the narrowest that keeps rows exact.
         self.static = self.graphs or self.compiled if fixed_shapes is None else fixed_shapes
         self.fns = compiled_fns() if self.compiled else EAGER
+        model.set_exact(self.exact or self.static)  # compiled: Inductor fuses attention
         self.early_exit = not self.static  # see decode/draft.py
         self._graphed = (StepGraphs(self._call_step, self.state, slots, slots)
                          if self.graphs else None)
@@ -390,6 +391,7 @@ class Engine:
                         type(e).__name__, e)
             self.graphs = self.compiled = self.static = False
             self.fns, self._graphed, self.early_exit = EAGER, None, True
+            self.model.set_exact(self.exact)
             costs = measure_costs(self, self.model.cfg.vocab_size, self._buckets())
         self.policy.set_costs(costs)
         if self.static:  # compile or capture the adaptive step too, before any request

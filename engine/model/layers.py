@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and not self.offset:  # one kernel, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32; scale in the input dtype (Llama, Qwen2/3) or in fp32 (Qwen3.5):
         # the orders HF uses, so bf16 matches too.
         xf = x.float()
@@ -141,20 +143,24 @@ def _yarn_freq(inv_freq: Tensor, s: dict, cfg: ModelConfig) -> Tensor:
 
 def rope_tables(cfg: ModelConfig, max_seq_len: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, R] in the half-split layout HF uses (rotate_half), R the rotary dims."""
+    """cos, sin [T, 1, R] (R the rotary dims; the 1 broadcasts over heads) in the half-split
+    layout HF uses, with sin's first half negated: `apply_rope`'s rotate-half is then a roll."""
     t = torch.arange(max_seq_len, dtype=torch.float32)
     freqs = torch.outer(t, rope_inv_freq(cfg))  # [T, R/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
     scale = rope_attention_factor(cfg)
-    return ((emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype))
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    sin[:, :sin.shape[1] // 2] *= -1
+    return cos[:, None].to(device, dtype), sin[:, None].to(device, dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x [B, S, H, D]; cos/sin [S, R] for the tokens' positions, or [B, S, R] per row; the
-    # first R dims rotate, the rest pass (partial rotary)
+    """x [B, S, H, D] rotated by `rope_tables`' rows for its positions, cos/sin [S, 1, R] (or
+    [B, S, 1, R] per row); the first R dims rotate, the rest pass (partial rotary).
+
+    HF's x * cos + cat(-x2, x1) * sin, bit for bit (negation is exact), in four kernels: the
+    sign sits in the table and the half swap is a roll."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+    return x * cos + x.roll(rot // 2, -1) * sin

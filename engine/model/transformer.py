@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
 from engine.cache.state import StateCache
+from engine.model.attention import Attention
 from engine.model.block import DecoderBlock
 from engine.model.config import ModelConfig
 from engine.model.layers import norm, rope_tables
@@ -54,6 +55,13 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, DecoderBlock):
                 module.fuse()
+
+    def set_exact(self, exact: bool) -> None:
+        """Whether cached attention keeps each row's bits whatever the call's shape (see
+        attention.py); the engine says, from what it promises."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.exact = exact
 
     def trunk(self, tokens: Tensor, rope: Rope, batch: CacheBatch | None = None,
               caches: Sequence[KVCache | StateCache] | None = None) -> Tensor:
