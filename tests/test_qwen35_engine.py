@@ -66,7 +66,8 @@ def test_three_slots_equal_each_ones_plain_decoding(engine: Engine) -> None:
         assert run_batched(engine, ps, params) == alone, ks
 
 
-def test_state_memory_is_k_max_plus_two_states_per_slot_and_layer(engine: Engine) -> None:
+def test_state_memory_is_k_max_plus_two_states_and_the_checkpoints_per_slot_and_layer(
+        engine: Engine) -> None:
     cfg, caches = engine.model.cfg, engine.caches
     linear = cfg.layer_types.count("linear_attention")
     conv = 2 * cfg.linear_num_k_heads * cfg.linear_k_head_dim + \
@@ -74,5 +75,7 @@ def test_state_memory_is_k_max_plus_two_states_per_slot_and_layer(engine: Engine
     per_state = (conv * (cfg.linear_conv_kernel - 1) * engine.model.model.embed_tokens.weight
                  .element_size() + cfg.linear_num_v_heads * cfg.linear_k_head_dim
                  * cfg.linear_v_head_dim * 4)
-    assert caches.ring == K_MAX + 2
-    assert caches.state_nbytes() == caches.num_slots * caches.ring * linear * per_state
+    assert caches.ring == K_MAX + 2 and caches.checkpoints == 4
+    assert caches.state_nbytes() == (caches.num_slots * (caches.ring + caches.checkpoints)
+                                     * linear * per_state)
+    assert caches.nbytes() > caches.state_nbytes()

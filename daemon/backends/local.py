@@ -161,7 +161,7 @@ class LocalBackend:
                            top_p=w.top_p, stop=w.stop, seed=w.seed, k=w.k,
                            speculative=w.speculative, forced=prompt.forced,
                            stop_loops=w.stop_loops)
-        return engine.start(prompt.ids, params, slot=w.slot)
+        return engine.start(prompt.ids, params, slot=w.slot, stable=prompt.stable)
 
 
 def _usage(gen: Generation) -> Usage:
