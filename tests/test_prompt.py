@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.prompt import completion_prompt
+from engine.prompt import completion_prompt, continuation, fill_in
 from engine.tokenizer import Tokenizer
 
 SOURCE = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(200))
@@ -70,3 +70,14 @@ def test_the_prompt_start_stays_put_while_the_user_types(tok: Tokenizer) -> None
                 for n in range(0, 400, 4)}
 
     assert len(starts(16)) * 4 <= len(starts(1))
+
+
+def test_the_stable_part_ends_where_typing_moves_the_prompt(tok: Tokenizer) -> None:
+    fim = tok.fim
+    assert fim is not None and tok.fim_order == "psm"
+    before = fill_in(tok, "import os\nx = os.pa", "\nprint(x)\n", budget=512)
+    after = fill_in(tok, "import os\nx = os.path.jo", "\nprint(x)\n", budget=512)
+    assert before.ids[before.stable] == fim.suffix and after.ids[after.stable] == fim.suffix
+    assert before.ids[:before.stable - 1] == after.ids[:before.stable - 1]
+    text = continuation(tok, "import os\nx = ")
+    assert text.forced == " " and text.stable == len(text.ids)

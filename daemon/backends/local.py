@@ -89,7 +89,8 @@ class LocalBackend:
 
     def _memory(self) -> dict[str, Any]:
         """The slots' device memory; for hybrid models, the recurrent states' share of it
-        (conv and delta-rule states, k_max + 2 per slot and layer: see cache/state.py)."""
+        (conv and delta-rule states, k_max + 2 per slot and layer and the checkpoints that
+        prefix reuse resumes from: see cache/state.py)."""
         caches, mib = self.engine.caches, 1 << 20
         out: dict[str, Any] = {"cache_mib": round(caches.nbytes() / mib, 1)}
         if self.engine.model.cfg.hybrid:
