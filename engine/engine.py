@@ -52,7 +52,6 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
         self.max_slots = slots
-        self.slots = SlotTable(slots, self.max_seq_len, recurrent=model.cfg.hybrid)
         self.k_max = k_max if model.num_mtp else 0
         self.width = self.k_max + 1  # the widest verify
         # How steps are shaped so that every row gets the bits its plain decoding gets (see
@@ -67,6 +66,8 @@ class Engine:
         # One slot more than asked for: padding rows run in it (see `_padded`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
                              widest=self.width)
+        self.slots = SlotTable(slots, self.max_seq_len, recurrent=model.cfg.hybrid,
+                               checkpoints=self.caches.checkpoints)
         self.state = DecodeState(slots + 1, self.k_max, model.cfg.vocab_size, self.device)
         self._pad_slot = slots
         # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA;
@@ -138,14 +139,16 @@ class Engine:
     # Generations
 
     def start(self, prompt: list[int], params: GenParams | None = None, *,
-              slot: Hashable = None) -> Generation:
-        return Generation(self, prompt, params or GenParams(), slot)
+              slot: Hashable = None, stable: int | None = None) -> Generation:
+        """`stable`: `Prompt.stable`, where recurrent state checkpoints may be kept."""
+        return Generation(self, prompt, params or GenParams(), slot, stable)
 
     def generate(self, prompt: list[int], params: GenParams | None = None, *,
-                 slot: Hashable = None, on_step: Callable[[Step], None] | None = None,
+                 slot: Hashable = None, stable: int | None = None,
+                 on_step: Callable[[Step], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> Generation:
         """Run a generation to its end (or until `cancelled()` says so after a step)."""
-        gen = self.start(prompt, params, slot=slot)
+        gen = self.start(prompt, params, slot=slot, stable=stable)
         for step in gen:
             if on_step:
                 on_step(step)
@@ -211,7 +214,7 @@ class Engine:
         """Prefill (or, after another generation took the slot, restore) each generation's
         slot, pick its first token unless it has one, and draft for its next step."""
         slots = [self.slots.get(g.slot) for g in gens]
-        rows = [PrefillRow(s, g.sequence, len(g.sequence) - restore)
+        rows = [PrefillRow(s, g.sequence, len(g.sequence) - restore, g.stable)
                 for s, g in zip(slots, gens, strict=True)]
         reused = prefill(self.model, self.caches, rows, spare=self.k_max + 2)
         index = [s.index for s in slots]

@@ -92,8 +92,14 @@ class Host(Protocol):
 
 class Generation(Iterator[Step]):
     def __init__(self, engine: Host, prompt: list[int], params: GenParams,
-                 slot: object = None) -> None:
+                 slot: object = None, stable: int | None = None) -> None:
+        """`stable`: how many prompt tokens come before the text that moves while the user
+        types (see `prompt.Prompt`); None: all of them."""
         self.prompt, self.params, self.slot = list(prompt), params, slot
+        self.stable = len(self.prompt) if stable is None else stable
+        if not 0 <= self.stable <= len(self.prompt):
+            raise ValueError(f"stable must be within the prompt's {len(self.prompt)} tokens, "
+                             f"got {stable}")
         seed = params.seed if params.seed is not None else secrets.randbits(31)
         self.sampling = Sampling(params.temperature, params.top_p, seed)
         self.use_mtp = params.speculative and engine.k_max > 0

@@ -9,7 +9,7 @@ chunks from other files fill what room is left, most recent first.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.tokenizer import Tokenizer
 
@@ -17,6 +17,9 @@ from engine.tokenizer import Tokenizer
 @dataclass(frozen=True, slots=True)
 class Prompt:
     ids: list[int]
+    # How many ids come before the text that moves while the user types (what follows the
+    # cursor, in PSM order): the part a recurrent state checkpoint may be kept for.
+    stable: int
     forced: str = ""  # what the answer must start with (healing); not part of the answer
 
 
@@ -25,14 +28,16 @@ def fill_in(tok: Tokenizer, prefix: str, suffix: str, *, budget: int,
     """The prompt for the text between `prefix` and `suffix` (FIM, or the prefix alone for a
     model without FIM tokens), within `budget` tokens; `extra`: (path, text) context."""
     prefix, forced = heal(prefix)
-    return Prompt(completion_prompt(tok, prefix, suffix, max_tokens=budget, extra=extra), forced)
+    return replace(completion_prompt(tok, prefix, suffix, max_tokens=budget, extra=extra),
+                   forced=forced)
 
 
 def continuation(tok: Tokenizer, text: str) -> Prompt:
     """The prompt that continues `text`, whole (a prompt too long for the context is refused
     at the prefill, not cut)."""
     text, forced = heal(text) if text.strip() else (text, "")
-    return Prompt([*tok.bos_ids, *tok.encode_text(text)], forced)
+    ids = [*tok.bos_ids, *tok.encode_text(text)]
+    return Prompt(ids, stable=len(ids), forced=forced)
 
 
 def heal(prefix: str) -> tuple[str, str]:
@@ -68,8 +73,8 @@ def _fit_lines(tok: Tokenizer, lines: list[str], budget: int, *, from_end: bool,
 
 def completion_prompt(tok: Tokenizer, prefix: str, suffix: str, *, max_tokens: int,
                       extra: Sequence[tuple[str, str]] = (), suffix_share: float = 0.2,
-                      extra_share: float = 0.2, anchor_lines: int = 16) -> list[int]:
-    """Token ids of a FIM prompt within `max_tokens` (a plain prefix if the model has no FIM).
+                      extra_share: float = 0.2, anchor_lines: int = 16) -> Prompt:
+    """A FIM prompt within `max_tokens` (a plain prefix if the model has no FIM).
 
     The suffix and the context chunks get at most their shares; the prefix gets the rest. The
     line the cursor is on is kept whole on the prefix side (cut from its start only if it
@@ -102,5 +107,7 @@ def completion_prompt(tok: Tokenizer, prefix: str, suffix: str, *, max_tokens: i
         kept_prefix = _fit_lines(tok, body, budget - len(current_ids), from_end=True,
                                  anchor=anchor_lines) + current
     if not tok.fim:
-        return [*tok.bos_ids, *tok.encode_text(kept_prefix)]
-    return tok.fim_prompt(kept_prefix, kept_suffix, extra=chunks)
+        ids = [*tok.bos_ids, *tok.encode_text(kept_prefix)]
+        return Prompt(ids, stable=len(ids))
+    ids, stable = tok.fim_parts(kept_prefix, kept_suffix, extra=chunks)
+    return Prompt(ids, stable=stable)

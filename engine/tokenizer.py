@@ -127,12 +127,19 @@ class Tokenizer:
 
     def fim_prompt(self, prefix: str, suffix: str, *,
                    extra: Sequence[tuple[str, str]] = ()) -> list[int]:
-        """FIM prompt ids; `extra` is (path, text) context from other files.
+        """FIM prompt ids; `extra` is (path, text) context from other files."""
+        return self.fim_parts(prefix, suffix, extra=extra)[0]
+
+    def fim_parts(self, prefix: str, suffix: str, *,
+                  extra: Sequence[tuple[str, str]] = ()) -> tuple[list[int], int]:
+        """FIM prompt ids, and how many of them come before the text that moves when the
+        user types at the end of `prefix` (the prompt's stable part).
 
         In the default prefix-suffix-middle order the suffix follows the prefix, so every
-        keystroke moves it and the KV cache must run it again. A model trained in
-        suffix-prefix-middle order (`fim_order` "spm") gets the suffix first and the prefix
-        last, ending the prompt; the answer continues the prefix, and typing only appends.
+        keystroke moves it and the KV cache must run it again: the stable part ends at the
+        suffix marker. A model trained in suffix-prefix-middle order (`fim_order` "spm")
+        gets the suffix first and the prefix last, ending the prompt; the answer continues
+        the prefix, typing only appends, and the whole prompt is stable.
         """
         fim = self.fim
         if fim is None:
@@ -149,10 +156,11 @@ class Tokenizer:
             gap = "" if (self._tok.id_to_token(fim.suffix) or "").startswith("▁") else " "
             prefix, suffix = f" {prefix}{gap}", f"{suffix}{gap}"
         if self.fim_order == "spm":
-            return [*self.bos_ids, *context, fim.prefix, fim.suffix, *self.encode_text(suffix),
-                    fim.middle, *self.encode_text(prefix)]
-        return [*self.bos_ids, *context, fim.prefix, *self.encode_text(prefix),
-                fim.suffix, *self.encode_text(suffix), fim.middle]
+            ids = [*self.bos_ids, *context, fim.prefix, fim.suffix, *self.encode_text(suffix),
+                   fim.middle, *self.encode_text(prefix)]
+            return ids, len(ids)
+        head = [*self.bos_ids, *context, fim.prefix, *self.encode_text(prefix)]
+        return [*head, fim.suffix, *self.encode_text(suffix), fim.middle], len(head)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode_text` for many texts at once, in parallel (training data)."""

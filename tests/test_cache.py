@@ -1,4 +1,5 @@
-"""Incremental decoding through the KV cache equals a full forward, at every position."""
+"""Incremental decoding through the KV cache equals a full forward, at every position; a
+slot's records of its recurrent state checkpoints (which one a new prompt resumes from)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from engine.cache.kv import CacheBatch
-from engine.cache.slots import Caches
+from engine.cache.slots import Caches, Slot
+from engine.decode.prefill import checkpoint_marks
 from engine.model.config import PRESETS
 from engine.model.transformer import Transformer
 
@@ -68,3 +70,45 @@ def test_rollback_is_moving_the_length_back() -> None:
         h = model.trunk(new, caches.rope(pos), batch, caches.trunk)
         want, _ = model(torch.cat([tokens[:, :12], new], dim=1))
         torch.testing.assert_close(model.head(h), want[:, 12:], atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoints_are_allocated_for_recurrent_layers_only_and_counted() -> None:
+    hybrid = Transformer(PRESETS["tiny-qwen3.5"]).eval()
+    none, four = (Caches(hybrid, num_slots=2, max_seq_len=64, scratch=0, checkpoints=n)
+                  for n in (0, 4))
+    assert four.checkpoints == 4 and four.ring == 2
+    assert four.state_nbytes() == 3 * none.state_nbytes()  # (2 + 4) states, not 2
+    assert four.nbytes() - none.nbytes() == 2 * none.state_nbytes()
+    dense = Caches(Transformer(PRESETS["tiny-llama"]).eval(), num_slots=2, max_seq_len=64,
+                   scratch=0)
+    assert dense.checkpoints == 0 and dense.state_nbytes() == 0
+
+
+def test_checkpoint_marks_are_the_latest_multiples_of_64_in_the_span() -> None:
+    assert checkpoint_marks(0, 200, 4) == [64, 128, 192]
+    assert checkpoint_marks(64, 200, 4) == [128, 192]
+    assert checkpoint_marks(0, 1000, 4) == [768, 832, 896, 960]
+    assert checkpoint_marks(0, 63, 4) == checkpoint_marks(128, 128, 4) == []
+    assert checkpoint_marks(0, 1000, 0) == []
+
+
+def test_a_slot_resumes_from_its_latest_checkpoint_before_the_cut() -> None:
+    slot = Slot(0, 1024, recurrent=True, checkpoints=2)
+    seq = list(range(300))
+    assert slot.cut_to(seq) == (0, None)
+    entries = [slot.checkpoint(p) for p in (64, 128, 192)]  # two entries: 64 is evicted
+    assert entries[2] == entries[0] and sorted(slot.saved) == [128, 192]
+    assert slot.checkpoint(128) == entries[1]  # saved again in place
+    slot.hold(seq, 299)
+    slot.mtp_len = 299
+    assert slot.cut_to([*seq, 7]) == (299, None)  # it extends all the slot holds
+    assert slot.cut_to(seq[:150]) == (128, entries[1])
+    assert slot.saved == [0, 128] and slot.length == slot.mtp_len == 128  # 192: old tokens
+    slot.hold(seq, 299)
+    assert slot.cut_to([*seq[:128], -1]) == (0, None)  # the state after 128 runs no token
+    assert slot.saved == [0, 128] and slot.length == 0
+    slot.reset()
+    assert slot.saved == [0, 0]
+    dense = Slot(0, 1024, checkpoints=0)
+    dense.hold(seq, 299)
+    assert dense.cut_to(seq[:150]) == (149, None)

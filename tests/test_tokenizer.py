@@ -165,6 +165,8 @@ def test_fim_prompt(styled: dict[str, Tokenizer], style: str) -> None:
     assert ids[-1] == fim.middle
     assert tok.decode(ids) == EXPECTED_PROMPTS[style]
     assert tok.decode(tok.fim_prompt(PREFIX, SUFFIX), skip_special=True).endswith(SUFFIX)
+    # What moves while the user types at the end of the prefix starts at the suffix marker.
+    assert tok.fim_parts(PREFIX, SUFFIX, extra=EXTRA) == (ids, ids.index(fim.suffix))
 
 
 def test_spm_prompt_puts_the_suffix_first_and_ends_with_the_prefix(qwen_dir: Path,
@@ -183,6 +185,7 @@ def test_spm_prompt_puts_the_suffix_first_and_ends_with_the_prefix(qwen_dir: Pat
     before = tok.fim_prompt(PREFIX, SUFFIX)
     after = tok.fim_prompt(PREFIX + "msg = f'hi {name}'", SUFFIX)
     assert after[:len(before) - 1] == before[:-1]
+    assert tok.fim_parts(PREFIX, SUFFIX) == (before, len(before))  # all of it is stable
 
 
 def test_fim_order_is_checked(qwen_dir: Path, styled: dict[str, Tokenizer],

@@ -89,7 +89,8 @@ class LocalBackend:
 
     def _memory(self) -> dict[str, Any]:
         """The slots' device memory; for hybrid models, the recurrent states' share of it
-        (conv and delta-rule states, k_max + 2 per slot and layer: see cache/state.py)."""
+        (conv and delta-rule states, k_max + 2 per slot and layer and the checkpoints that
+        prefix reuse resumes from: see cache/state.py)."""
         caches, mib = self.engine.caches, 1 << 20
         out: dict[str, Any] = {"cache_mib": round(caches.nbytes() / mib, 1)}
         if self.engine.model.cfg.hybrid:
@@ -161,7 +162,7 @@ class LocalBackend:
                            top_p=w.top_p, stop=w.stop, seed=w.seed, k=w.k,
                            speculative=w.speculative, forced=prompt.forced,
                            stop_loops=w.stop_loops)
-        return engine.start(prompt.ids, params, slot=w.slot)
+        return engine.start(prompt.ids, params, slot=w.slot, stable=prompt.stable)
 
 
 def _usage(gen: Generation) -> Usage:

@@ -9,6 +9,11 @@ slot: the sequence it holds (its holder's token list, which only grows), how man
 positions the trunk has cached (entry t < length), and how many the MTP modules have (entry
 t < mtp_len, made from h_t and x_{t+1}). Rolling back is moving `length` back: entries past
 it are overwritten before they are ever attended to.
+
+A hybrid model's recurrent state cannot be rolled back that way (cache/state.py): a slot
+reuses it whole when the new sequence extends all it holds, or else resumes from one of its
+`checkpoints` saved states, whose positions the `Slot` records (the state after the first p
+tokens of the sequence it holds), or runs from the start.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ class Caches:
     """Every slot's device state, allocated once."""
 
     def __init__(self, model: Transformer, num_slots: int, max_seq_len: int,
-                 scratch: int, widest: int = 1) -> None:
+                 scratch: int, widest: int = 1, checkpoints: int = 4) -> None:
         """`widest`: the most positions a verify keeps the recurrent state after (hybrid
-        models keep that many snapshots, and the committed state, per slot and layer)."""
+        models keep that many snapshots, and the committed state, per slot and layer);
+        `checkpoints`: the saved states per slot and layer that prefix reuse resumes from
+        (none for a model without recurrent layers)."""
         cfg = model.cfg
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -58,13 +65,15 @@ class Caches:
         # Which recurrent-state snapshot each slot has committed (see cache/state.py).
         self.state_index = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.ring = widest + 1
+        self.checkpoints = checkpoints if cfg.hybrid else 0
 
         def state() -> StateCache:
             return StateCache(num_slots, self.ring, 2 * cfg.linear_num_k_heads *
                               cfg.linear_k_head_dim + cfg.linear_num_v_heads *
                               cfg.linear_v_head_dim, cfg.linear_conv_kernel,
                               cfg.linear_num_v_heads, cfg.linear_k_head_dim,
-                              cfg.linear_v_head_dim, self.state_index, self.dtype)
+                              cfg.linear_v_head_dim, self.state_index, self.dtype,
+                              self.checkpoints)
 
         self.trunk: list[KVCache | StateCache] = [layers(1)[0] if kind == FULL else state()
                                                   for kind in cfg.layer_types]
@@ -82,9 +91,18 @@ class Caches:
         commit(self.state_index, self.ring, slots, n)
 
     def clear_state(self, slots: Tensor) -> None:
-        for cache in self.trunk:
-            if isinstance(cache, StateCache):
-                cache.clear(slots)
+        for cache in self.states():
+            cache.clear(slots)
+
+    def save_state(self, slots: Tensor, entry: int) -> None:
+        """Keep each slot's committed recurrent state in its saved entry `entry`."""
+        for cache in self.states():
+            cache.save(slots, entry)
+
+    def restore_state(self, slots: Tensor, entry: int) -> None:
+        """Make each slot's saved entry `entry` its committed recurrent state."""
+        for cache in self.states():
+            cache.restore(slots, entry)
 
     def nbytes(self) -> int:
         tensors = [self.hidden, self.cos, self.sin]
@@ -95,17 +113,24 @@ class Caches:
     def kv_caches(self) -> list[KVCache]:
         return [c for c in self.trunk if isinstance(c, KVCache)]
 
+    def states(self) -> list[StateCache]:
+        return [c for c in self.trunk if isinstance(c, StateCache)]
+
     def state_nbytes(self) -> int:
-        """The recurrent states' memory: conv and delta-rule states with their snapshots."""
-        return sum(c.nbytes() for c in self.trunk if isinstance(c, StateCache))
+        """The recurrent states' memory: conv and delta-rule states with their snapshots and
+        checkpoints."""
+        return sum(c.nbytes() for c in self.states())
 
 
 class Slot:
     """The host's record of one slot (see the module's docstring)."""
 
-    def __init__(self, index: int, max_seq_len: int, recurrent: bool = False) -> None:
+    def __init__(self, index: int, max_seq_len: int, recurrent: bool = False,
+                 checkpoints: int = 0) -> None:
         self.index, self.max_seq_len = index, max_seq_len
         self.recurrent = recurrent  # some layers keep a state that cannot be cut
+        # Saved state entry i holds the state after the first saved[i] tokens of seq (0: none).
+        self.saved = [0] * checkpoints
         self.seq: list[int] = []
         self.length = 0
         self.mtp_len = 0
@@ -126,21 +151,41 @@ class Slot:
 
     def reset(self) -> None:
         self.seq, self.length, self.mtp_len = [], 0, 0
+        self.saved = [0] * len(self.saved)
         self.drafts, self.confidence = [], []
 
-    def cut_to(self, tokens: list[int]) -> int:
-        """Keep only what `tokens` shares with the cached sequence; the position to run the
-        trunk from. Module entry t depends on x_{t+1}, so c common positions leave c - 1
-        reusable module entries, and the trunk restarts there too (it always runs the last
-        token)."""
+    def cut_to(self, tokens: list[int]) -> tuple[int, int | None]:
+        """Keep only what `tokens` shares with the cached sequence: the position to run the
+        trunk from, and the saved state entry to resume the recurrent state from (None: the
+        committed one, or from nothing when the trunk runs from 0).
+
+        Module entry t depends on x_{t+1}, so c common positions leave c - 1 reusable module
+        entries, and the trunk restarts there too (it always runs the last token). The
+        recurrent state is the one after all `length` positions, kept if they are all
+        common; else the latest saved one within the c - 1 (saved ones past c belong to the
+        old sequence: forgotten), or none."""
         common = min(common_prefix(self.held(), tokens), len(tokens))
-        start = max(0, common - 1)
-        self.mtp_len = min(self.mtp_len, start)
-        if self.recurrent:  # the state is that after all `length` positions, or nothing
-            start = self.length if common == self.length else 0
+        keep = max(0, common - 1)
+        start, entry = self._resume(common) if self.recurrent else (keep, None)
+        self.mtp_len = min(self.mtp_len, keep, start)
         self.length = min(self.length, start)
         self.drafts, self.confidence = [], []
-        return start
+        return start, entry
+
+    def _resume(self, common: int) -> tuple[int, int | None]:
+        if common == self.length:
+            return self.length, None
+        self.saved = [p if p <= common else 0 for p in self.saved]
+        usable = [i for i, p in enumerate(self.saved) if 0 < p < common]
+        entry = max(usable, key=self.saved.__getitem__, default=None)
+        return (0, None) if entry is None else (self.saved[entry], entry)
+
+    def checkpoint(self, position: int) -> int:
+        """The saved state entry to keep the state after `position` tokens in, recorded as
+        holding it: the one that holds it already, else a free one, else the earliest."""
+        entry = self.saved.index(position if position in self.saved else min(self.saved))
+        self.saved[entry] = position
+        return entry
 
     def hold(self, seq: list[int], length: int) -> None:
         """The trunk entries of seq[:length] are written: this slot now holds `seq`."""
@@ -157,11 +202,13 @@ class Slot:
 class SlotTable:
     """Slots by key, at most `size` of them; a new key recycles the least recently used."""
 
-    def __init__(self, size: int, max_seq_len: int, recurrent: bool = False) -> None:
+    def __init__(self, size: int, max_seq_len: int, recurrent: bool = False,
+                 checkpoints: int = 0) -> None:
         if size < 1:
             raise ValueError(f"need at least one KV-cache slot, got {size}")
         self.size = size
-        self._free = [Slot(i, max_seq_len, recurrent) for i in reversed(range(size))]
+        self._free = [Slot(i, max_seq_len, recurrent, checkpoints)
+                      for i in reversed(range(size))]
         self._slots: OrderedDict[Hashable, Slot] = OrderedDict()
 
     def get(self, key: Hashable) -> Slot:

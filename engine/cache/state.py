@@ -9,6 +9,11 @@ never over it; the step then commits the state after the accepted position by mo
 index (`commit`): a pick, never a recompute, and no copy. One entry more than the k_max + 1
 snapshots a verify makes: the committed state must survive the pass that reads it, so that a
 pass can be run again (the invariance probe does) and nothing is copied at commit.
+
+Next to the ring, P saved entries per slot (checkpoints): a prefill copies the committed state
+into one after a pass (`save`), and a later prefill that shares the tokens up to there copies
+it back into the committed entry (`restore`) instead of running them again. Which position
+each entry holds is the host's record (`Slot`, cache/slots.py).
 """
 
 from __future__ import annotations
@@ -19,18 +24,24 @@ from torch import Tensor
 
 class StateCache:
     """One layer's states for all slots: conv [slots, R, C, K-1] (the last K-1 inputs of
-    the convolution) and the delta rule's [slots, R, H, Dk, Dv] in fp32."""
+    the convolution) and the delta rule's [slots, R, H, Dk, Dv] in fp32; and as many saved
+    ones, [slots, P, ...] each."""
 
-    __slots__ = ("conv", "index", "ring", "state")
+    __slots__ = ("conv", "index", "ring", "saved_conv", "saved_state", "state")
 
     def __init__(self, num_slots: int, ring: int, conv_size: int, kernel: int, num_heads: int,
-                 k_dim: int, v_dim: int, index: Tensor, dtype: torch.dtype) -> None:
+                 k_dim: int, v_dim: int, index: Tensor, dtype: torch.dtype,
+                 saved: int = 0) -> None:
         device = index.device
         self.ring, self.index = ring, index  # index [slots]: shared by every layer
-        self.conv = torch.zeros(num_slots, ring, conv_size, kernel - 1, device=device,
-                                dtype=dtype)
-        self.state = torch.zeros(num_slots, ring, num_heads, k_dim, v_dim, device=device,
-                                 dtype=torch.float32)
+
+        def states(n: int) -> tuple[Tensor, Tensor]:
+            return (torch.zeros(num_slots, n, conv_size, kernel - 1, device=device, dtype=dtype),
+                    torch.zeros(num_slots, n, num_heads, k_dim, v_dim, device=device,
+                                dtype=torch.float32))
+
+        self.conv, self.state = states(ring)
+        self.saved_conv, self.saved_state = states(saved)
 
     def read(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The committed conv [B, C, K-1] and recurrent [B, H, Dk, Dv] states of `slots`."""
@@ -51,8 +62,21 @@ class StateCache:
         self.conv[slots, at] = 0
         self.state[slots, at] = 0
 
+    def save(self, slots: Tensor, entry: int) -> None:
+        """The committed states of `slots` into their saved entry `entry`."""
+        at = self.index[slots]
+        self.saved_conv[slots, entry] = self.conv[slots, at]
+        self.saved_state[slots, entry] = self.state[slots, at]
+
+    def restore(self, slots: Tensor, entry: int) -> None:
+        """The saved entry `entry` of `slots` back into their committed states."""
+        at = self.index[slots]
+        self.conv[slots, at] = self.saved_conv[slots, entry]
+        self.state[slots, at] = self.saved_state[slots, entry]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.conv, self.state, self.saved_conv, self.saved_state))
 
 
 def commit(index: Tensor, ring: int, slots: Tensor, n: Tensor) -> None:

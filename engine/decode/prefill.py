@@ -4,7 +4,11 @@ what it holds is kept), several slots in one pass, in chunks; then pick the firs
 Rows whose spans are shorter than the pass's widest are padded: their padding tokens sit at
 the cache's last (scratch) position, which no real query reads. A hybrid model's rows run one
 per pass (padding would enter the recurrent state), each chunk committing the state after
-its last position.
+its last position. A hybrid row resumes from the saved state its slot names (see
+`Slot.cut_to`), and its passes also end at the checkpoints: the latest multiples of EVERY
+tokens (as many as the slot keeps) in the part of the prompt that stays while the user types
+(`stable`), after each of which the committed state is saved for the next prompt to resume
+from.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from engine.decode.random import TARGET
 from engine.decode.sampling import RowSampling
 from engine.model.transformer import Transformer
 
+EVERY = 64  # recurrent state checkpoints sit at multiples of this many positions
+
 
 @dataclass(slots=True)
 class PrefillRow:
     slot: Slot
     seq: list[int]  # the slot is to hold seq[:n]
     n: int
+    stable: int  # seq[:stable] stays put while the user types (see `prompt.Prompt`)
 
 
 def kv_blocks(n: int, limit: int, block: int = 256) -> int:
@@ -46,25 +53,51 @@ def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: i
         if r.n + spare > r.slot.max_seq_len:
             raise ContextOverflow(f"prompt of {r.n} tokens does not fit a context of "
                                   f"{r.slot.max_seq_len} (with {spare} spare)")
-    starts = [r.slot.cut_to(r.seq[:r.n]) for r in rows]
-    # Recurrent layers would carry padding into a row's state: there, one row per pass.
-    groups = [[i] for i in range(len(rows))] if model.cfg.hybrid else [list(range(len(rows)))]
-    for group in groups:
-        _run(model, caches, [rows[i] for i in group], [starts[i] for i in group], chunk)
+    cuts = [r.slot.cut_to(r.seq[:r.n]) for r in rows]
+    starts = [start for start, _ in cuts]
+    if model.cfg.hybrid:  # padding would enter a row's recurrent state: one row per pass
+        for r, (start, entry) in zip(rows, cuts, strict=True):
+            _run_recurrent(model, caches, r, start, entry, chunk)
+    else:
+        longest = max(r.n - s for r, s in zip(rows, starts, strict=True))
+        _run(model, caches, rows, starts, [min(chunk, longest - off)
+                                           for off in range(0, longest, chunk)])
     for r in rows:
         r.slot.hold(r.seq, r.n)
     return starts
 
 
+def checkpoint_marks(start: int, end: int, count: int) -> list[int]:
+    """The positions after which to save the state: the latest `count` multiples of EVERY in
+    (start, end]."""
+    return list(range(end // EVERY * EVERY, start, -EVERY))[:count][::-1]
+
+
+def _run_recurrent(model: Transformer, caches: Caches, row: PrefillRow, start: int,
+                   entry: int | None, chunk: int) -> None:
+    """One row from `start`, from the saved state `entry` (None: the committed one, or none
+    from 0), in passes of at most `chunk` that end at each checkpoint, saved there."""
+    slots = torch.tensor([row.slot.index], device=caches.device)
+    if entry is not None:
+        caches.restore_state(slots, entry)
+    elif start == 0:
+        caches.clear_state(slots)  # from the start: no state left by a previous holder
+    marks = checkpoint_marks(start, min(row.stable, row.n), caches.checkpoints)
+    off = start
+    for end in sorted({*marks, row.n}):
+        _run(model, caches, [row], [off], [min(chunk, end - o) for o in range(off, end, chunk)])
+        if end in marks:
+            caches.save_state(slots, row.slot.checkpoint(end))
+        off = end
+
+
 def _run(model: Transformer, caches: Caches, rows: list[PrefillRow], starts: list[int],
-         chunk: int) -> None:
+         widths: list[int]) -> None:
+    """Passes of `widths` positions over the rows, each from its start on."""
     device, scratch = caches.device, caches.length - 1
     slots = torch.tensor([r.slot.index for r in rows], device=device)
-    longest = max(r.n - s for r, s in zip(rows, starts, strict=True))
-    if model.cfg.hybrid and starts == [0]:
-        caches.clear_state(slots)  # from the start: no state left by a previous holder
-    for off in range(0, longest, chunk):
-        width = min(chunk, longest - off)
+    off = 0
+    for width in widths:
         ids, pos = [], []
         for r, s in zip(rows, starts, strict=True):
             span = r.seq[s + off:min(s + off + width, r.n)]
@@ -78,6 +111,7 @@ def _run(model: Transformer, caches: Caches, rows: list[PrefillRow], starts: lis
         h = model.trunk(tokens, caches.rope(positions), batch, caches.trunk)
         caches.hidden[slots[:, None], positions] = h
         caches.commit(slots, torch.zeros_like(slots))  # the state after the chunk's last
+        off += width
 
 
 @torch.inference_mode()
