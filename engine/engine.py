@@ -63,7 +63,7 @@ class Engine:
         # may differ from plain decoding at near-ties (a few in a thousand prompts).
         self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
             if exact is None else exact
-        # One slot more than asked for: padding rows run in it (see `_padded`).
+        # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
                              widest=self.width)
         self.slots = SlotTable(slots, self.max_seq_len, recurrent=model.cfg.hybrid,
@@ -144,9 +144,8 @@ class Engine:
         return Generation(self, prompt, params or GenParams(), slot, stable)
 
     def generate(self, prompt: list[int], params: GenParams | None = None, *,
-                 slot: Hashable = None, stable: int | None = None,
-                 on_step: Callable[[Step], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Generation:
+                 slot: Hashable = None, stable: int | None = None, on_step: Callable[[Step],
+                 None] | None = None, cancelled: Callable[[], bool] | None = None) -> Generation:
         """Run a generation to its end (or until `cancelled()` says so after a step)."""
         gen = self.start(prompt, params, slot=slot, stable=stable)
         for step in gen:
@@ -319,8 +318,7 @@ class Engine:
         pad = 0 if self.invariance.batch_invariant and not self.static else \
             self.max_slots - len(index)
         if pad:
-            self.state.set_rows([self._pad_slot], lengths=[0], num_drafts=[0],
-                                plan=[[0, 0, 0]])
+            self.state.set_rows([self._pad_slot], lengths=[0], num_drafts=[0], plan=[[0, 0, 0]])
         index = index + [self._pad_slot] * pad
         if not self.static:
             shape = replace(shape, span=span_of(index))
