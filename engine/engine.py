@@ -57,10 +57,9 @@ class Engine:
         # How steps are shaped so that every row gets the bits its plain decoding gets (see
         # exec/invariance.py): the safe choice until `calibrate()` measures the device.
         self.invariance = Invariance(self.width, batch_invariant=False, key_invariant=False)
-        # Whether to pay for it where it costs: on the CPU in fp32 a one-row matmul rounds
-        # unlike a many-row one, and verifying 4 rows for every plain step makes plain
-        # decoding about 30% slower; there, by default, speed wins and speculative output
-        # may differ from plain decoding at near-ties (a few in a thousand prompts).
+        # Whether to pay for that where it costs: in fp32 on the CPU (a one-row matmul rounds
+        # unlike a many-row one; padding plain steps to 4 rows costs 30%) speed wins by default,
+        # and output may differ from plain decoding at near-ties (a few in a thousand prompts).
         self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
             if exact is None else exact
         # One slot more than asked for: padding rows run in it (see `_run`).
@@ -70,15 +69,14 @@ class Engine:
                                checkpoints=self.caches.checkpoints)
         self.state = DecodeState(slots + 1, self.k_max, model.cfg.vocab_size, self.device)
         self._pad_slot = slots
-        # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA;
-        # compiled and captured steps run one shape: see exec/compile.py).
+        # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA).
+        # Graphs and compiled steps run one shape (widest verify, all slots, whole cache: see
+        # exec/compile.py); eager steps take the narrowest that keeps rows exact.
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         self.compiled = cuda if compile is None else compile
-        # One step shape (widest verify, all slots, whole cache): what graphs and compiled
-        # steps need; eager steps take the narrowest that keeps rows exact.
         self.static = self.graphs or self.compiled if fixed_shapes is None else fixed_shapes
         self.fns = compiled_fns() if self.compiled else EAGER
         model.set_exact(self.exact or self.static)  # compiled: Inductor fuses attention
@@ -107,8 +105,7 @@ class Engine:
     # Prompts
 
     def prompt_budget(self, max_new_tokens: int) -> int:
-        """The most prompt tokens that leave room for `max_new_tokens` and the verify pass
-        after them: the one rule for the room a prompt may take."""
+        """The most prompt tokens leaving room for `max_new_tokens` and the verify after them."""
         return self.max_seq_len - max_new_tokens - self.k_max - PROMPT_SPARE
 
     def fill_in_prompt(self, prefix: str, suffix: str, *, max_new_tokens: int,
@@ -126,9 +123,8 @@ class Engine:
         if not text:
             return None
         if text not in self._masks:
-            vocab = self.model.cfg.vocab_size
-            texts = [self.tokenizer.decode([i]) for i in range(min(vocab,
-                                                                   self.tokenizer.vocab_size))]
+            known = min(vocab := self.model.cfg.vocab_size, self.tokenizer.vocab_size)
+            texts = [self.tokenizer.decode([i]) for i in range(known)]
             mask = torch.zeros(vocab, dtype=torch.bool)
             mask[[i for i, t in enumerate(texts) if t.startswith(text)]] = True
             if not mask.any():
@@ -249,7 +245,7 @@ class Engine:
         at = torch.tensor(index, device=self.device)
         with torch.inference_mode():
             draft_chain(self.model, self.caches, self.state, at, torch.cat(outs), base, k,
-                        kv_len, self._sampling(index, gens), confident=any(p[2] for p in plans),
+                        kv_len, self._sampling(index, gens), confident=self._confident(plans),
                         early_exit=self.early_exit)
         counts = self.state.num_drafts[index].tolist()
         made = self.state.tokens[index, 1:k + 1].tolist()
@@ -276,7 +272,7 @@ class Engine:
                       kv_len=self._kv_len(max(s.length for s in slots) + width + k + 1),
                       sampled=any(not g.sampling.greedy for g in gens),
                       nucleus=any(g.sampling.top_p < 1 for g in gens),
-                      confident=any(p[2] for p in plans), early_exit=self.early_exit)
+                      confident=self._confident(plans), early_exit=self.early_exit)
         kinds = [g.kind for g in gens]  # the drafts were made in this kind of text
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -331,9 +327,8 @@ class Engine:
             return decode_step(self.model, self.caches, self.state, slots, shape, self.fns)
 
     def _plan(self, g: Generation, slot: Slot, rows: int) -> tuple[int, int, bool]:
-        """Drafts for the next step (at most; within what is left to generate and the room
-        in the context), the floor the chain rule cannot cut, and whether it applies: a
-        fixed K, or (adaptive) up to k_max when the policy drafts at all."""
+        """Drafts for the next step (at most, within what is left to generate and the context's
+        room), the floor the chain rule cannot cut, and whether it applies (adaptive K)."""
         if not g.use_mtp:
             return 0, 0, False
         fixed, policy = g.params.k, self.policy
@@ -346,6 +341,11 @@ class Engine:
         if fixed is not None or not k:
             return k, k, False
         return k, chosen if policy.probing else 1, True
+
+    def _confident(self, plans: list[tuple[int, int, bool]]) -> bool:
+        """Drafts carry their probability for adaptive rows, and always in a fixed shape (one
+        compiled variant whatever the warm-up happened to draft, for a softmax a draft)."""
+        return self.static or any(adaptive for _, _, adaptive in plans)
 
     def _set_plans(self, index: list[int], plans: list[tuple[int, int, bool]],
                    rows: int) -> None:
