@@ -38,23 +38,16 @@ def test_pre_commit_hook_keeps_a_declared_encoding(model_dir: Path, tmp_path: Pa
     assert second.returncode == 0 and "Passed" in second.stdout, second.stdout
 
 
-def test_what_the_declared_encoding_cannot_hold_leaves_the_file_alone(tmp_path: Path) -> None:
-    path = tmp_path / "ascii.py"
-    source = b"# coding: ascii\ndef f(x):\n    return x\n"
+@pytest.mark.parametrize("source, docstring, why", [
+    (b"# coding: ascii\ndef f(x):\n    return x\n", "Ca\u00e9.", "ascii cannot hold"),
+    (b"# -*- coding: no-such-codec -*-\ndef f(x):\n    return x\n", "Doc.", "unknown encoding"),
+], ids=["the declared encoding cannot hold the docstring", "an unknown declared encoding"])
+def test_a_file_whose_encoding_cannot_take_the_docstring_is_left_alone(
+        tmp_path: Path, source: bytes, docstring: str, why: str) -> None:
+    path = tmp_path / "file.py"
     path.write_bytes(source)
     err = io.StringIO()
-    status = docstrings.run([str(path)], lambda: lambda document, prefix, suffix: "Ca\u00e9.",
+    status = docstrings.run([str(path)], lambda: lambda document, prefix, suffix: docstring,
                             out=io.StringIO(), err=err)
-    assert status == 2 and "ascii cannot hold" in err.getvalue(), err.getvalue()
-    assert path.read_bytes() == source
-
-
-def test_an_unknown_declared_encoding_is_skipped(tmp_path: Path) -> None:
-    path = tmp_path / "odd.py"
-    source = b"# -*- coding: no-such-codec -*-\ndef f(x):\n    return x\n"
-    path.write_bytes(source)
-    err = io.StringIO()
-    status = docstrings.run([str(path)], lambda: lambda document, prefix, suffix: "Doc.",
-                            out=io.StringIO(), err=err)
-    assert status == 2 and "unknown encoding" in err.getvalue(), err.getvalue()
+    assert status == 2 and why in err.getvalue(), err.getvalue()
     assert path.read_bytes() == source

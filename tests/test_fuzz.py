@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from daemon import protocol as p
 from daemon.client import Client
 from tests.test_hostile_lsp import RawLsp, frame
-from tests.test_lsp import PY, end_of
+from tests.test_lsp import PY
 
 pytestmark = pytest.mark.slow
 FUZZ = settings(max_examples=60, deadline=None, database=None,
@@ -200,14 +200,7 @@ def test_fuzz_the_language_server(model_dir: Path, tmp_path: Path) -> None:
         try:
             messages()
             assert lsp.proc.returncode is None  # alive
-            lsp.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {
-                "textDocument": {"uri": "file:///tmp/after.py", "languageId": "python",
-                                 "version": 1, "text": PY}}})
-            pos = end_of(PY)
-            lsp.request("after", "textDocument/inlineCompletion", {
-                "textDocument": {"uri": "file:///tmp/after.py"},
-                "position": {"line": pos.line, "character": pos.character},
-                "context": {"triggerKind": 1}})
+            lsp.open_and_complete("after", "file:///tmp/after.py", PY)
             answer = runner.run(lsp.response("after"))
             assert answer.get("result") and answer["result"]["items"], answer
             tally["popups"] = sum("Error in server" in m for m in lsp.popups())

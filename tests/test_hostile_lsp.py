@@ -94,6 +94,16 @@ class RawLsp:
                 await self.arrived.wait()
         return found[0]
 
+    def open_and_complete(self, key: str, uri: str, text: str) -> None:
+        """Open `text` as a Python document and ask (request `key`) for a completion at its
+        end."""
+        self.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {
+            "textDocument": {"uri": uri, "languageId": "python", "version": 1, "text": text}}})
+        pos = end_of(text)
+        self.request(key, "textDocument/inlineCompletion", {
+            "textDocument": {"uri": uri},
+            "position": {"line": pos.line, "character": pos.character}, "context": CTX})
+
     async def settle(self) -> None:
         """Until everything sent so far has been handled: messages are handled in order, so
         a request's answer comes after everything sent before it has been."""
@@ -263,13 +273,7 @@ async def test_a_document_with_invalid_utf8_does_not_break_the_others(
             "textDocument": {"uri": "file:///tmp/raw.py", "languageId": "python",
                              "version": 1, "text": "x = 'MARK'\n"}}}).encode()
         raw.write(frame(body.replace(b"MARK", b"\xed\xa0\x80")))  # a surrogate as raw bytes
-        raw.send({"jsonrpc": "2.0", "method": "textDocument/didOpen", "params": {
-            "textDocument": {"uri": "file:///tmp/good.py", "languageId": "python",
-                             "version": 1, "text": PY}}})
-        pos = end_of(PY)
-        raw.request("good", "textDocument/inlineCompletion", {
-            "textDocument": {"uri": "file:///tmp/good.py"},
-            "position": {"line": pos.line, "character": pos.character}, "context": CTX})
+        raw.open_and_complete("good", "file:///tmp/good.py", PY)
         answer = await raw.response("good")
         assert answer.get("result") and answer["result"]["items"], answer
         assert [m["error"]["code"] for m in raw.messages if "error" in m] == [-32700]
