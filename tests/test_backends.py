@@ -56,6 +56,28 @@ def test_llama_servers_timings_are_the_servers_own_time() -> None:
     assert u.hop_s == pytest.approx(0.003)  # 13 ms round trip, 10 ms of them the server's
 
 
+def test_openais_log_probabilities_score_the_answer_and_its_tokens_feed_the_loop_rule() -> None:
+    """vLLM and SGLang stream OpenAI's legacy `logprobs` (llama-server's own shape runs
+    against the real server in test_remote.py): each chunk's tokens score the answer, and
+    their texts are what the loop rule sees."""
+    stream = remote._Stream("completions", forced="")
+    for text, lps in [(" a list of", [-0.5, -1.0, -0.25]), (" a list of", [-0.5, -0.25, -0.25])]:
+        pieces = [" a", " list", " of"]
+        stream.read({"choices": [{"text": text, "logprobs": {
+            "tokens": pieces, "token_logprobs": lps, "top_logprobs": None}}]})
+    u = stream.usage(0.0)
+    assert (u.mean_logprob, u.min_logprob) == (pytest.approx(-2.75 / 6), -1.0)
+    assert not stream.looped  # twice is not yet a loop
+    stream.read({"choices": [{"text": " a list of", "logprobs": {
+        "tokens": [" a", " list", " of"], "token_logprobs": [None, -0.5, -0.5]}}]})
+    assert stream.looped and stream.finish == "repetition"
+    assert stream.usage(0.0).min_logprob == -1.0
+    quiet = remote._Stream("completions", forced="", loops=False)  # stop_loops off
+    for _ in range(4):
+        quiet.read({"choices": [{"text": " a list of"}]})
+    assert not quiet.looped and quiet.usage(0.0).mean_logprob is None  # no scores given
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_each_layout_reads_back_what_it_writes(name: str) -> None:
     layout = LAYOUTS[name]

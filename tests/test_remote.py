@@ -67,9 +67,10 @@ async def metric(peer: LlamaServer, name: str) -> float:
 
 def fill(prefix: str, max_tokens: int = 24, *, multiline: bool = False,
          budget_ms: int | None = None) -> p.Complete:
+    """A request; the long ones (still writing when the test acts) run on through loops."""
     return p.Complete(id=0, session="s", document="d.py", prefix=prefix,
                       suffix="\n\ndef mul(a, b):\n    return a * b\n", max_tokens=max_tokens,
-                      multiline=multiline, budget_ms=budget_ms)
+                      multiline=multiline, budget_ms=budget_ms, stop_loops=max_tokens < 100)
 
 
 async def test_lsp_inline_completion_goes_through_the_peer_and_reports_it_down(
@@ -77,7 +78,8 @@ async def test_lsp_inline_completion_goes_through_the_peer_and_reports_it_down(
     """editor -> ahead lsp -> daemon -> llama-server and back; then the server dies (the
     editor hears "down") and comes back (the editor hears "ready")."""
     env = {"AHEAD_BACKEND": "openai", "AHEAD_URL": peer.url, "AHEAD_TOKENIZER": str(tiny[0]),
-           "AHEAD_MAX_SEQ_LEN": str(CONTEXT)}
+           "AHEAD_MAX_SEQ_LEN": str(CONTEXT),
+           "AHEAD_MIN_CONFIDENCE": "0"}  # a random model: its answers are all unsure
     client = await start(tiny[0], tmp_path, env=env)
     try:
         await wait_for_state(client, "ready")
@@ -187,5 +189,47 @@ async def test_llama_servers_infill_builds_the_prompt(tiny: tuple[Path, Path],
         seen = len(peer.lines)
         done = await client.run(fill(PY, max_tokens=6))
         assert done.stats.tokens > 0 and done.finish_reason in ("stop", "length")
+        assert done.mean_logprob is not None  # /infill's own shape of the scores
         await peer.wait_for_log("processing task", TIMEOUT, since=seen)
         await client.close()
+
+
+async def test_the_peers_answers_carry_its_scores_and_the_threshold_holds(
+        daemon: Server) -> None:
+    """The backend asks the server for its tokens' log-probabilities: a completion carries
+    the confidence the daemon's threshold is on, as the local engine's do."""
+    client = Client(daemon.socket_path, autostart=False)
+    shown = await client.run(fill(PY, max_tokens=8))
+    assert shown.mean_logprob is not None and shown.min_logprob is not None
+    assert shown.min_logprob <= shown.mean_logprob <= 0 and shown.text
+    daemon.requests.min_confidence = 0.999  # no random model is that sure
+    withheld = await client.run(fill(PY, max_tokens=8))
+    assert withheld.text == "" and withheld.finish_reason == "low_confidence"
+    assert withheld.mean_logprob == pytest.approx(shown.mean_logprob)  # the same greedy answer
+    await client.close()
+
+
+@pytest.fixture(scope="module")
+def bundled_gguf(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return to_gguf(model_dir, tmp_path_factory.mktemp("bundled") / "bundled.gguf")
+
+
+async def test_a_looping_stream_is_cut_at_the_loop_and_the_peer_stops(
+        model_dir: Path, bundled_gguf: Path, tmp_path: Path) -> None:
+    """The bundled model, greedy on a docstring's first words, falls into a loop on
+    llama-server as it does locally: the backend ends the answer there (finish reason
+    "repetition") and closes the stream, so the server stops writing it."""
+    prompt = 'def fibonacci(n):\n    """'
+    async with LlamaServer(bundled_gguf, context=CONTEXT) as peer:
+        backend = OpenAIBackend(peer.url, TokenizerPrompts(model_dir, CONTEXT), timeout=10)
+        async with serving(backend, tmp_path / "rt") as server:
+            client = Client(server.socket_path, autostart=False)
+            free = await client.run(p.Generate(id=0, prompt=prompt, max_tokens=96,
+                                               stop_loops=False))
+            seen = len(peer.lines)
+            cut = await client.run(p.Generate(id=0, prompt=prompt, max_tokens=900))
+            await client.close()
+            assert free.finish_reason == "length"  # it would go on to the end
+            assert cut.finish_reason == "repetition" and cut.stats.tokens < 96
+            assert free.text.startswith(cut.text)
+            assert "cancel task" in await peer.wait_for_log("cancel task", TIMEOUT, since=seen)

@@ -11,6 +11,12 @@ queued jobs start most urgent first. A connection that cannot be made is tried a
 backoff (before any answer only: a request has no side effects), then the job fails with
 code "unavailable" and the backend reports the server down, in `ahead status` and to the
 editors, until a request gets through again.
+
+The quality rules (engine/decode/quality.py) hold for a server's answers as for the local
+engine's: each request asks for its tokens' log-probabilities (OpenAI's `logprobs`,
+llama-server's `n_probs`), so a suggestion carries its confidence and the threshold applies;
+a stream that falls into a loop is closed there (the server stops writing) and ends with
+finish reason "repetition".
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +36,7 @@ import aiohttp
 from daemon.backends.prompts import PromptBuilder, RemotePrompt, prompt_builder
 from daemon.config import Settings
 from daemon.scheduler import Job, Scheduler, StepReport, Usage
+from engine.decode.quality import REPETITION, LoopWatch
 
 log = logging.getLogger("ahead.daemon")
 RETRY_DELAYS = (0.1, 0.3, 1.0)  # seconds before each new try of a connection that failed
@@ -188,16 +196,18 @@ class OpenAIBackend:
         sent = time.monotonic()  # the hop counts from here: connecting is part of it
         resp = await self._post(url, self._body(job, prompt))
         self.health.up()
-        stream = _Stream(prompt.endpoint, prompt.forced, sent)
+        stream = _Stream(prompt.endpoint, prompt.forced, sent, loops=job.work.stop_loops)
         last = job.started or sent  # the backend's time: the prompt's building, the stream
         try:
             async for event in _events(resp):
                 text = stream.read(event)
                 now = time.monotonic()
-                self._scheduler.stepped([StepReport(job, text, None, stream.usage(now))],
-                                        now - last)
+                if stream.looped:  # closing the stream stops the server (see `finally`)
+                    text += stream.flush()
+                self._scheduler.stepped([StepReport(job, text, stream.finish if stream.looped
+                                                    else None, stream.usage(now))], now - last)
                 last = now
-                if not job.live:  # it ended here (a deadline): the server stops too
+                if not job.live or stream.looped:  # a deadline or a loop: the server stops too
                     return
             now = time.monotonic()
             self._scheduler.stepped([StepReport(job, stream.flush(), stream.finish,
@@ -217,8 +227,10 @@ class OpenAIBackend:
             body["seed"] = w.seed
         if prompt.endpoint == "infill":
             body["n_predict"] = w.max_tokens
+            body["n_probs"] = 1  # each token's log-probability (and the top one's)
         else:
             body["max_tokens"] = w.max_tokens
+            body["logprobs"] = 1
             body["stream_options"] = {"include_usage": True}
             if self.served_model:
                 body["model"] = self.served_model
@@ -251,9 +263,11 @@ class OpenAIBackend:
 
 
 class _Stream:
-    """One response's chunks: text (healing's forced start taken off), usage, finish."""
+    """One response's chunks: text (healing's forced start taken off), usage, finish, the
+    tokens' log-probabilities, and whether the text has fallen into a loop."""
 
-    def __init__(self, endpoint: str, forced: str, sent: float = 0.0) -> None:
+    def __init__(self, endpoint: str, forced: str, sent: float = 0.0, *,
+                 loops: bool = True) -> None:
         self.infill, self.forced, self.sent = endpoint == "infill", forced, sent
         self.finish: str | None = None
         self.chunks = 0
@@ -261,14 +275,22 @@ class _Stream:
         self.prompt_tokens = self.cached_tokens = 0
         self.server_s: float | None = None  # its own time for the request, once it says
         self._held = ""  # text kept back until it is known whether it starts with `forced`
+        self.logprob_sum, self.logprob_min, self.scored = 0.0, 0.0, 0
+        self.looped = False
+        self._pieces: dict[str, int] = {}  # token text -> an id of our own, for the watch
+        self._texts: list[str] = []
+        self._watch = LoopWatch(self._texts.__getitem__) if loops else None
 
     def usage(self, now: float) -> Usage:
         """So far; the HTTP hop (the round trip since `sent` beyond the server's own time)
         once the server has said what that was."""
         hop = 0.0 if self.server_s is None else max(0.0, now - self.sent - self.server_s)
+        scored = self.scored > 0
         return Usage(tokens=self.chunks if self.tokens is None else self.tokens,
                      steps=self.chunks, prompt_tokens=self.prompt_tokens,
-                     reused_tokens=self.cached_tokens, hop_s=hop)
+                     reused_tokens=self.cached_tokens, hop_s=hop,
+                     mean_logprob=self.logprob_sum / self.scored if scored else None,
+                     min_logprob=self.logprob_min if scored else None)
 
     def read(self, event: dict[str, Any]) -> str:
         if self.infill:  # llama-server's own format
@@ -284,6 +306,7 @@ class _Stream:
                 self.prompt_tokens = int(event["usage"].get("prompt_tokens") or 0)
                 self.tokens = int(event["usage"].get("completion_tokens") or 0)
         self.chunks += bool(text)
+        self._score(event, text)
         if isinstance(event.get("timings"), dict):  # llama-server says what it did
             t = event["timings"]
             self.cached_tokens = int(t.get("cache_n") or 0)
@@ -292,6 +315,42 @@ class _Stream:
             ms = float(t.get("prompt_ms") or 0.0) + float(t.get("predicted_ms") or 0.0)
             self.server_s = ms / 1000
         return self._unforced(text)
+
+    def _score(self, event: dict[str, Any], text: str) -> None:
+        """Take the chunk's tokens: their log-probabilities into the scores, their text into
+        the loop watch (the chunk's text as one piece when the server names no tokens)."""
+        items: Any = None
+        if self.infill:  # llama-server: [{"token", "logprob", ...}]
+            items = event.get("completion_probabilities")
+        else:
+            lp = (event.get("choices") or [{}])[0].get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):  # llama-server
+                items = lp["content"]
+            elif isinstance(lp, dict) and isinstance(lp.get("token_logprobs"), list):  # OpenAI
+                tokens = lp.get("tokens")
+                tokens = tokens if isinstance(tokens, list) else []
+                items = [{"logprob": v, "token": tokens[i] if i < len(tokens) else None}
+                         for i, v in enumerate(lp["token_logprobs"])]
+        items = [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+        for value in (i.get("logprob") for i in items):
+            if isinstance(value, int | float) and math.isfinite(value):
+                self.logprob_min = min(self.logprob_min, value) if self.scored else value
+                self.logprob_sum += value
+                self.scored += 1
+        pieces = [i.get("token") for i in items]
+        if not all(isinstance(t, str) for t in pieces) or "".join(pieces) != text:
+            pieces = [text] if text else []  # (a stop string cut the chunk, or no tokens)
+        for piece in pieces:
+            self._watch_piece(piece)
+
+    def _watch_piece(self, piece: str) -> None:
+        if self._watch is None or self.looped:
+            return
+        if piece not in self._pieces:
+            self._pieces[piece] = len(self._texts)
+            self._texts.append(piece)
+        if self._watch.push(self._pieces[piece]):
+            self.looped, self.finish = True, REPETITION
 
     def flush(self) -> str:
         held, self._held, self.forced = self._held, "", ""
