@@ -204,6 +204,8 @@ class Server:
             s = listener.final
             self.stats.request_done(s.total_ms, s.engine_ms, s.tokens, s.prefill_tokens,
                                     s.reused_tokens, s.k_histogram, s.hop_ms)
+        if listener.withheld is not None:  # why editors saw nothing: `ahead status` says
+            self.stats.counts[f"withheld_{listener.withheld}"] += 1
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()

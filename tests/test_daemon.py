@@ -118,6 +118,9 @@ async def test_judged_completions_below_the_threshold_come_back_empty(daemon: Se
         shown = await client.run(p.Complete(id=0, document=f"shown{n}.py", **req))
         assert (shown.text, shown.finish_reason) == (free.text, free.finish_reason)
     assert judged_on_confidence
+    counts = (await client.status())["counts"]  # what editors were not shown, and why
+    assert {k: v for k, v in counts.items() if k.startswith("withheld_")} == \
+        {"withheld_low_confidence": judged_on_confidence}
     daemon.requests.min_confidence = 0.0
     await client.close()
 
