@@ -21,14 +21,14 @@ import torch
 from engine import prompt as recipe
 from engine.cache.kv import span_of
 from engine.cache.slots import Caches, Slot, SlotTable
-from engine.decode.costs import measure_costs
+from engine.decode.costs import measure_costs, row_buckets
 from engine.decode.draft import catch_up, draft_chain
 from engine.decode.policy import KPolicy
 from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
 from engine.decode.sampling import RowSampling
 from engine.decode.state import DecodeState
-from engine.decode.step import EAGER, Shape, decode_step, unpack, unpack_logprobs
-from engine.exec.compile import compiled_fns
+from engine.decode.step import Shape, decode_step, unpack, unpack_logprobs
+from engine.exec.compile import step_fns
 from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, probe
 from engine.generation import Generation, GenParams, Step
@@ -70,15 +70,16 @@ class Engine:
         self.state = DecodeState(slots + 1, self.k_max, model.cfg.vocab_size, self.device)
         self._pad_slot = slots
         # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA).
-        # Graphs and compiled steps run one shape (widest verify, all slots, whole cache: see
-        # exec/compile.py); eager steps take the narrowest that keeps rows exact.
+        # Graphs and compiled steps run one shape, but for compiled blocks in eager shapes on
+        # the CPU (exec/compile.py); eager steps take the narrowest that keeps rows exact.
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
         if self.graphs and not cuda:
             raise ValueError("CUDA graphs need a CUDA device")
         self.compiled = cuda if compile is None else compile
-        self.static = self.graphs or self.compiled if fixed_shapes is None else fixed_shapes
-        self.fns = compiled_fns() if self.compiled else EAGER
+        self.static = self.graphs or (self.compiled and (cuda or self.exact)) \
+            if fixed_shapes is None else fixed_shapes
+        self.fns = step_fns(model, self.compiled, self.static)
         model.set_exact(self.exact or self.static)  # compiled: Inductor fuses attention
         self.early_exit = not self.static  # see decode/draft.py
         self._graphed = (StepGraphs(self._call_step, self.state, slots, slots)
@@ -296,11 +297,6 @@ class Engine:
         padded = self.static or not self.invariance.batch_invariant
         return self.max_slots if padded else live
 
-    def _buckets(self) -> list[int]:
-        """Numbers of rows whose step costs are measured: 1, 2, 4, ... and all slots."""
-        return sorted({*(1 << i for i in range(self.max_slots.bit_length())
-                         if 1 << i <= self.max_slots), self.max_slots})
-
     def _kv_len(self, n: int) -> int:
         """Keys a forward reading positions < n attends over."""
         if self.static or not self.invariance.key_invariant:
@@ -384,16 +380,17 @@ class Engine:
         else:
             self.invariance = Invariance(1, batch_invariant=True, key_invariant=True)
         try:
-            costs = measure_costs(self, self.model.cfg.vocab_size, self._buckets())
+            costs = measure_costs(self, self.model.cfg.vocab_size, row_buckets(self.max_slots))
         except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
-            if not self.static:
+            if not (self.static or self.compiled):
                 raise
             log.warning("compiled or captured steps failed (%s: %s); running eager",
                         type(e).__name__, e)
             self.graphs = self.compiled = self.static = False
-            self.fns, self._graphed, self.early_exit = EAGER, None, True
+            self._graphed, self.early_exit = None, True
+            self.fns = step_fns(self.model, False, False)
             self.model.set_exact(self.exact)
-            costs = measure_costs(self, self.model.cfg.vocab_size, self._buckets())
+            costs = measure_costs(self, self.model.cfg.vocab_size, row_buckets(self.max_slots))
         self.policy.set_costs(costs)
         if self.static:  # compile or capture the adaptive step too, before any request
             self.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from engine import Engine, GenParams
+from engine.model.block import run_block
 from tests.conftest import CHAIN_VOCAB
 
 
 @pytest.mark.slow
 def test_the_compiled_step_never_recompiles(trained_dir: Path) -> None:
     torch._dynamo.reset()
-    engine = Engine.load(trained_dir, max_seq_len=256, slots=3, compile=True)
+    engine = Engine.load(trained_dir, max_seq_len=256, slots=3, compile=True, exact=True)
     assert engine.static and engine.early_exit is False
     rng = random.Random(0)
     steps, batches = 0, 0
@@ -37,3 +38,56 @@ def test_the_compiled_step_never_recompiles(trained_dir: Path) -> None:
                 plain = engine.generate(p, GenParams(12, speculative=False), slot="plain")
                 assert g.tokens == plain.tokens
     assert batches >= 5
+
+
+@pytest.mark.slow
+def test_compiled_blocks_keep_eager_shapes_and_compile_a_handful_of_variants(
+        trained_dir: Path) -> None:
+    """fp32 on the CPU (no bit-identity promise): compile=True compiles each full-attention
+    block, one compiled copy for every layer and module, and the step keeps its eager shapes.
+    Over 50 steps that vary K, prompt lengths and live slots it compiles no more than a
+    handful of variants, never falls back, and gives the eager engine's tokens."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    eager = Engine.load(trained_dir, max_seq_len=256, slots=3)
+    engine = Engine.load(trained_dir, max_seq_len=256, slots=3, compile=True)
+    assert engine.compiled and not engine.static and engine.early_exit
+    assert engine.model.block_runner is not run_block and not eager.compiled
+    rng = random.Random(1)
+    steps = 0
+    while steps < 50:
+        live = rng.randint(1, 3)
+        prompts = [[rng.choice(CHAIN_VOCAB) for _ in range(rng.randint(2, 60))]
+                   for _ in range(live)]
+        ks = [rng.choice([0, 1, 3, 5, 8, None]) for _ in range(live)]
+        slots = rng.sample(range(3), live)  # not always in order: a batch may not be a span
+        runs = []
+        for e in (engine, eager):
+            gens = [e.start(p, GenParams(12, k=k), slot=s)
+                    for p, k, s in zip(prompts, ks, slots, strict=True)]
+            while running := [g for g in gens if g.finish_reason is None]:
+                e.step(running)
+                steps += e is engine
+            runs.append([g.tokens for g in gens])
+        assert runs[0] == runs[1]
+    assert 0 < counters["stats"]["unique_graphs"] <= 12  # far from the limit (BLOCK_VARIANTS)
+    assert not counters["graph_break"]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_in_a_hybrid_model(tmp_path: Path) -> None:
+    """Qwen3.5's full-attention blocks (output gate, offset norms, partial rotary) run
+    compiled and its Gated DeltaNet blocks eager: the tokens are the eager engine's."""
+    from training.synthetic import write_checkpoint
+
+    write_checkpoint(tmp_path, "tiny-qwen3.5", train_steps=20, seed=0, mtp_naming="mtp")
+    engines = [Engine.load(tmp_path, max_seq_len=256, k_max=4, slots=2, compile=c)
+               for c in (True, False)]
+    assert engines[0].compiled and not engines[0].static
+    gen = torch.Generator().manual_seed(7)
+    for n, k in ((9, None), (70, 0), (23, 4)):
+        prompt = torch.randint(300, 396, (n,), generator=gen).tolist()
+        runs = [e.generate(prompt, GenParams(16, k=k, speculative=k != 0)) for e in engines]
+        assert runs[0].tokens == runs[1].tokens
+        assert runs[0].stats.accepted or k == 0

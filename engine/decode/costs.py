@@ -33,6 +33,12 @@ class Stepper(Protocol):
     def clear_cache(self, slot: Hashable = None) -> None: ...
 
 
+def row_buckets(max_slots: int) -> list[int]:
+    """Numbers of rows whose step costs are measured: 1, 2, 4, ... and all slots."""
+    return sorted({*(1 << i for i in range(max_slots.bit_length()) if 1 << i <= max_slots),
+                   max_slots})
+
+
 def measure_costs(engine: Stepper, vocab_size: int, rows: Sequence[int] = (1,),
                   reps: int = 7, context: int = 1024) -> dict[int, list[float]]:
     """The cost curve of steps of each number of rows: every K for one row; for more rows,

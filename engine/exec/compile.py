@@ -1,12 +1,22 @@
-"""The step's two functions compiled by torch.compile (Inductor fuses the norms, rotary,
-residual and activation kernels between the matmuls).
+"""The step compiled by torch.compile: Inductor fuses the norms, rotary, residual and
+activation kernels between the matmuls, and on the CPU takes the per-kernel cost of the
+many small ones out of the step.
 
-Compiled steps run one shape: the widest verify, every slot (padding rows in the spare
-slot), attention over the whole cache. What still varies, the number of drafts, is the
-number of calls of `draft_one`, whose draft index is a tensor: so the step compiles once per
-kind of batch (greedy or sampled, drafting or not) and never again as K, prompt lengths and
-the number of live slots change. Inductor keeps what it compiled on disk
-($XDG_CACHE_HOME/ahead/inductor), so a daemon that restarts compiles little.
+Two ways, by what the engine promises:
+- Fixed-shape steps (CUDA, and engines that keep speculative output bit-identical): the
+  step's two functions compile whole. They run one shape: the widest verify, every slot
+  (padding rows in the spare slot), attention over the whole cache. What still varies, the
+  number of drafts, is the number of calls of `draft_one`, whose draft index is a tensor: so
+  the step compiles once per kind of batch (greedy or sampled, drafting or not) and never
+  again as K, prompt lengths and the number of live slots change.
+- Eager-shaped steps (fp32 on the CPU by default): the step keeps the narrowest shapes, which
+  on a CPU cost far less than a fixed one (every row and key computed), and each
+  full-attention block runs as one compiled function of the block, with dynamic shapes: one
+  compiled copy serves every layer and the MTP modules, and it compiles a handful of
+  variants (one row or several, one position or several), in about a minute on 2 cores
+  where the whole step takes ten.
+Inductor keeps what it compiled on disk ($XDG_CACHE_HOME/ahead/inductor), so a daemon that
+restarts compiles little.
 """
 
 from __future__ import annotations
@@ -17,7 +27,11 @@ from pathlib import Path
 import torch
 
 from engine.decode.draft import draft_one
-from engine.decode.step import StepFns, verify_window
+from engine.decode.step import EAGER, StepFns, verify_window
+from engine.model.block import run_block
+from engine.model.transformer import Transformer
+
+BLOCK_VARIANTS = 32  # compiled variants of the block allowed (8 are used: see the tests)
 
 
 def cache_dir() -> Path:
@@ -25,7 +39,18 @@ def cache_dir() -> Path:
     return Path(base) / "ahead" / "inductor"
 
 
-def compiled_fns() -> StepFns:
+def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
+    """The functions a step runs; for a compiled eager-shaped step, the model's blocks run
+    compiled (and uncompiled again when `compiled` is False)."""
+    model.block_runner = run_block
+    if not compiled:
+        return EAGER
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
-    return StepFns(torch.compile(verify_window, fullgraph=True, dynamic=False),
-                   torch.compile(draft_one, fullgraph=True, dynamic=False))
+    if static:
+        return StepFns(torch.compile(verify_window, fullgraph=True, dynamic=False),
+                       torch.compile(draft_one, fullgraph=True, dynamic=False))
+    # Not fullgraph: a block that cannot compile whole (an op Dynamo does not know, variants
+    # past the limit) runs partly eager rather than failing a request.
+    model.block_runner = torch.compile(  # type: ignore[call-overload]
+        run_block, dynamic=True, recompile_limit=BLOCK_VARIANTS)
+    return EAGER

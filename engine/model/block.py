@@ -39,3 +39,11 @@ class DecoderBlock(nn.Module):
             mixed = self.self_attn(self.input_layernorm(x), rope, batch, cache)
         h = x + mixed
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
+              batch: CacheBatch | None = None,
+              cache: KVCache | StateCache | None = None) -> Tensor:
+    """One block's forward, as a function of the block: `Transformer.block_runner` is this, or
+    a compiled copy of it (exec/compile.py) that serves every full-attention block alike."""
+    return block(x, rope, batch, cache)

@@ -8,13 +8,13 @@ MiMo checkpoints concatenate in the other order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
-from engine.model.block import DecoderBlock
+from engine.model.block import DecoderBlock, run_block
 from engine.model.config import ModelConfig
 from engine.model.layers import norm
 
@@ -31,9 +31,10 @@ class MTPModule(nn.Module):
         self.hidden_first = cfg.mtp_naming == "mimo"
 
     def forward(self, h: Tensor, emb: Tensor, rope: Rope, batch: CacheBatch | None = None,
-                caches: Sequence[KVCache] | None = None) -> Tensor:
+                caches: Sequence[KVCache] | None = None,
+                run: Callable[..., Tensor] = run_block) -> Tensor:
         e, hn = self.enorm(emb), self.hnorm(h)
         x = self.eh_proj(torch.cat([hn, e] if self.hidden_first else [e, hn], dim=-1))  # [B, S, H]
         for i, block in enumerate(self.blocks):  # full attention, also in hybrid models
-            x = block(x, rope, batch, None if caches is None else caches[i])
+            x = run(block, x, rope, batch, None if caches is None else caches[i])
         return x

@@ -8,7 +8,7 @@ full-sequence pass of training and references; decoding calls `trunk`, `mtp_forw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from engine.cache.kv import CacheBatch, KVCache
 from engine.cache.state import StateCache
 from engine.model.attention import Attention
-from engine.model.block import DecoderBlock
+from engine.model.block import DecoderBlock, run_block
 from engine.model.config import ModelConfig
 from engine.model.layers import norm, rope_tables
 from engine.model.mtp import MTPModule, Rope
@@ -39,6 +39,9 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
         self.chain_normed = cfg.mtp_naming in ("mimo", "mtp")
+        # How full-attention blocks run: `run_block`, or one compiled copy of it for them all
+        # (exec/compile.py); Gated DeltaNet blocks always run as they are.
+        self.block_runner: Callable[..., Tensor] = run_block
         self.apply(_init_weights)
 
     @property
@@ -68,14 +71,16 @@ class Transformer(nn.Module):
         """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, batch, None if caches is None else caches[i])
+            run = run_block if layer.linear else self.block_runner
+            x = run(layer, x, rope, batch, None if caches is None else caches[i])
         return self.model.norm(x)
 
     def mtp_forward(self, i: int, h: Tensor, next_tokens: Tensor, rope: Rope,
                     batch: CacheBatch | None = None,
                     caches: Sequence[KVCache] | None = None) -> Tensor:
         """Module i's pre-norm output [B, S, H] from hidden h_t and token x_{t+1}."""
-        return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, batch, caches)
+        return self.mtp[i](h, self.model.embed_tokens(next_tokens), rope, batch, caches,
+                           run=self.block_runner)
 
     def mtp_logits(self, i: int, out: Tensor) -> Tensor:
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
