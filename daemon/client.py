@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,9 @@ class RequestFailed(Exception):
         self.code, self.message = code, message
 
 
-def start_daemon(args: list[str], timeout: float) -> None:
-    """Start `ahead serve` detached, and wait until it says it listens (or why it cannot)."""
+def start_daemon(args: list[str], timeout: float) -> bool:
+    """Start `ahead serve` detached, and wait until it says it listens (or why it cannot).
+    False when another daemon holds the lock: it runs, or is still loading its model."""
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--ready-fd", "1", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -73,9 +75,10 @@ def start_daemon(args: list[str], timeout: float) -> None:
     if line.strip() != b"ready":
         err = proc.stderr.read().decode(errors="replace").strip()
         if "another ahead daemon is running" in err:
-            return  # someone else started it first: fine
+            return False  # someone else started it first: fine
         raise DaemonUnavailable(f"the daemon did not start: {err or 'no answer'}")
     proc.stderr.close()
+    return True
 
 
 def _readline(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
@@ -122,13 +125,23 @@ class Client:
                 if not self.autostart:
                     raise DaemonUnavailable(f"no daemon answers on {self.socket_path}: "
                                             f"{e}") from None
-            await asyncio.to_thread(start_daemon, self.serve_args, self.start_timeout)
-            try:
-                return await self._handshake()
-            except DaemonUnavailable:
-                raise
-            except (OSError, p.FrameError) as e:
-                raise DaemonUnavailable(f"the daemon started but does not answer: {e}") from None
+            deadline = time.monotonic() + self.start_timeout
+            ours = await asyncio.to_thread(start_daemon, self.serve_args, self.start_timeout)
+            delay = 0.05
+            while True:
+                try:
+                    return await self._handshake()
+                except DaemonUnavailable:
+                    raise
+                except (OSError, p.FrameError) as e:
+                    if ours or time.monotonic() + delay > deadline:
+                        what = "started" if ours else "that is starting"
+                        raise DaemonUnavailable(f"the daemon {what} does not answer: "
+                                                f"{e}") from None
+                # Another daemon holds the lock but does not listen yet: it is loading its
+                # model (its socket appears when it is ready), so wait for it.
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.5)
 
     async def _handshake(self) -> p.Welcome:
         reader, writer = await asyncio.open_unix_connection(str(self.socket_path))

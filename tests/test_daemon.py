@@ -385,6 +385,41 @@ async def test_autostart_kill9_restart_and_single_instance(trained_dir: Path,
     await client.close()
 
 
+async def test_a_client_waits_for_a_daemon_that_is_still_loading(
+        trained_engine: Engine, trained_dir: Path, env: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon holds the single-instance lock from the start but listens only once its
+    model is loaded (seconds, a minute when it compiles). A client that comes meanwhile finds
+    no socket, starts a daemon that says another is running, and then waits for that one,
+    instead of failing with "does not answer"."""
+    from daemon import client as client_module
+    from daemon import paths
+
+    lock = InstanceLock(paths.lock_path())  # as `ahead serve` takes it, before its model
+    lock.acquire()
+    tried = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real_start = client_module.start_daemon
+
+    def start_daemon(args: list[str], timeout: float) -> bool:  # the real one, observed
+        ours = real_start(args, timeout)
+        loop.call_soon_threadsafe(tried.set)
+        return ours
+
+    monkeypatch.setattr(client_module, "start_daemon", start_daemon)
+    client = Client(serve_args=["--model", str(trained_dir)])
+    connecting = asyncio.create_task(client.connect())
+    await asyncio.wait_for(tried.wait(), TIMEOUT)  # the new daemon found the lock taken
+    assert not connecting.done()  # ... and the client waits
+    server = Server(LocalBackend(trained_engine), paths.socket_path(), lock, model_name="late")
+    serving_task = asyncio.create_task(server.serve())
+    welcome = await asyncio.wait_for(connecting, TIMEOUT)
+    assert welcome.pid == os.getpid()  # the daemon that was loading, not a second one
+    await client.close()
+    server.stop()
+    await asyncio.wait_for(serving_task, TIMEOUT)
+
+
 def wait_exit(pid: int, timeout: float) -> bool:
     """Wait for a process to end without polling: a pidfd becomes readable when it does."""
     import select
