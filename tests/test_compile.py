@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import Engine, GenParams
 from engine.model.block import run_block
@@ -91,3 +92,49 @@ def test_compiled_blocks_in_a_hybrid_model(tmp_path: Path) -> None:
         runs = [e.generate(prompt, GenParams(16, k=k, speculative=k != 0)) for e in engines]
         assert runs[0].tokens == runs[1].tokens
         assert runs[0].stats.accepted or k == 0
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records the ops that make the host wait for the device (a scalar read, a truth value,
+    an output whose size depends on the data): a CUDA graph cannot capture them."""
+
+    SYNCS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero",
+                       "aten::masked_select", "aten::_unique2", "aten::unique_consecutive",
+                       "aten::equal", "aten::item"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func._schema.name in self.SYNCS:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_fixed_shape_step_never_waits_on_the_device(trained_dir: Path) -> None:
+    """What CUDA graphs capture on a GPU (`Engine._call_step` in fixed shapes: verify,
+    acceptance, draft chain) checked on the CPU: greedy, sampled and nucleus rows, fixed and
+    adaptive K, make no op that reads a value back to the host."""
+    from engine.model.weights import load_model
+    from engine.tokenizer import Tokenizer
+
+    engine = Engine(load_model(trained_dir), Tokenizer.from_dir(trained_dir), max_seq_len=256,
+                    slots=3, compile=False, fixed_shapes=True)
+    engine.calibrate()
+    modes: list[HostSyncs] = []
+    step = engine._call_step
+
+    def traced(slots: torch.Tensor, shape: object) -> torch.Tensor:
+        with HostSyncs() as mode:
+            out = step(slots, shape)  # type: ignore[arg-type]
+        modes.append(mode)
+        return out
+
+    engine._call_step = traced  # type: ignore[method-assign]
+    params = [GenParams(24, k=None), GenParams(24, k=3, temperature=0.8, seed=1),
+              GenParams(24, k=8, temperature=0.7, top_p=0.9, seed=2)]
+    gens = [engine.start([5, 6, 7, 8 + i], p, slot=i) for i, p in enumerate(params)]
+    while running := [g for g in gens if g.finish_reason is None]:
+        engine.step(running)
+    assert len(modes) >= 4 and all(not m.seen for m in modes), [m.seen for m in modes]
