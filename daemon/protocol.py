@@ -229,9 +229,11 @@ def _length(header: bytes, max_bytes: int) -> int:
     return n
 
 
-async def read_frame(reader: asyncio.StreamReader,
-                     max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
-    """The next frame's body; None at a clean end of stream (between frames)."""
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES,
+                     body_timeout: float | None = None) -> bytes | None:
+    """The next frame's body; None at a clean end of stream (between frames). Once its
+    header has come, the body must follow within `body_timeout` seconds: a peer that says a
+    length and sends less would otherwise hold the reader forever."""
     try:
         header = await reader.readexactly(HEADER_BYTES)
     except asyncio.IncompleteReadError as e:
@@ -240,9 +242,13 @@ async def read_frame(reader: asyncio.StreamReader,
         raise FrameError("connection closed inside a frame header") from None
     n = _length(header, max_bytes)
     try:
-        return await reader.readexactly(n)
+        async with asyncio.timeout(body_timeout):
+            return await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise FrameError(f"connection closed after {len(e.partial)} of {n} bytes") from None
+    except TimeoutError:
+        raise FrameError(f"a frame of {n} bytes did not come whole within "
+                         f"{body_timeout:g} s") from None
 
 
 def read_frame_sync(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:

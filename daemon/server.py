@@ -30,6 +30,7 @@ from daemon.scheduler import Backend, Job, Scheduler
 from daemon.stats import Stats
 
 log = logging.getLogger("ahead.daemon")
+FRAME_TIMEOUT = 10.0  # seconds a frame's body may take to follow its header
 
 
 class Connection:
@@ -77,7 +78,7 @@ class Connection:
     async def _read(self) -> None:
         while True:
             try:
-                body = await p.read_frame(self.reader)
+                body = await p.read_frame(self.reader, body_timeout=self.server.frame_timeout)
             except p.FrameError as e:
                 self.send(p.Error(id=None, code="bad_frame", message=str(e)))
                 return  # the stream is out of step: close it
@@ -177,6 +178,7 @@ class Server:
         self.model_name = model_name
         self.socket_path, self.lock = socket_path, lock
         self.idle_timeout = idle_timeout
+        self.frame_timeout = FRAME_TIMEOUT
         self.backend = backend
         self.scheduler = Scheduler(backend)
         self.requests = Requests(self.scheduler)

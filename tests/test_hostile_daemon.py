@@ -125,6 +125,25 @@ async def test_invalid_utf8_in_any_field_is_a_bad_request_and_the_connection_goe
     await raw.close()
 
 
+async def test_a_frame_that_never_comes_whole_is_an_error_not_a_hang(daemon: Server) -> None:
+    """A client that says a length and sends less (here: one stray byte before a status
+    frame, so that the status's own header becomes part of a 16 MiB length) gets a
+    `bad_frame` error and is hung up on when the body does not follow in time; other
+    clients go on."""
+    daemon.frame_timeout = 0.5
+    raw = await Raw.open(daemon)
+    other = await Raw.open(daemon)
+    raw.writer.write(b"\x01" + p.encode(p.Status(id=3)))
+    error = await raw.next()
+    assert isinstance(error, p.Error) and error.code == "bad_frame", error
+    assert "did not come whole" in error.message
+    assert await p.read_frame(raw.reader) is None  # hung up on
+    other.writer.write(p.encode(p.Status(id=4)))
+    assert isinstance(await other.next(), p.StatusReply)
+    await raw.close()
+    await other.close()
+
+
 @pytest.mark.parametrize("field", ["client", "key"])
 async def test_invalid_utf8_in_the_hello_is_answered_and_a_good_hello_still_works(
         daemon: Server, field: str) -> None:
