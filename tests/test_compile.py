@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from daemon.backends.local import step_mode
 from engine import Engine, GenParams
 from engine.model.block import run_block
 from tests.conftest import CHAIN_VOCAB
@@ -20,7 +21,7 @@ from tests.conftest import CHAIN_VOCAB
 def test_the_compiled_step_never_recompiles(trained_dir: Path) -> None:
     torch._dynamo.reset()
     engine = Engine.load(trained_dir, max_seq_len=256, slots=3, compile=True, exact=True)
-    assert engine.static and engine.early_exit is False
+    assert engine.static and engine.early_exit is False and step_mode(engine) == "compiled"
     rng = random.Random(0)
     steps, batches = 0, 0
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -55,6 +56,7 @@ def test_compiled_blocks_keep_eager_shapes_and_compile_a_handful_of_variants(
     engine = Engine.load(trained_dir, max_seq_len=256, slots=3, compile=True)
     assert engine.compiled and not engine.static and engine.early_exit
     assert engine.model.block_runner is not run_block and not eager.compiled
+    assert (step_mode(engine), step_mode(eager)) == ("compiled blocks", "eager")  # ahead status
     rng = random.Random(1)
     steps = 0
     while steps < 50:

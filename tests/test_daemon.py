@@ -197,6 +197,7 @@ async def test_status_reports_counters(daemon: Server) -> None:
     info = await client.status()
     assert info["model"] == "tiny" and info["counts"]["requests_completed"] >= 2
     assert info["counts"]["completions"] == 1 and info["latency_ms"]["n"] == 2
+    assert info["step"] == "eager"  # how the step runs: the CPU default
     assert set(info["acceptance_by_position"]) == {"code", "comment", "string"}
     await client.close()
 

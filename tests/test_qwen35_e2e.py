@@ -54,6 +54,7 @@ def test_generate_by_name_through_the_daemon_and_in_process(env: Path) -> None:
     status = ahead("status", "--json")
     info = json.loads(status.stdout)
     assert info["recurrent_state_mib"] > 0 and info["state_snapshots_per_slot"] == 8 + 2
+    assert info["state_checkpoints_per_slot"] == 4
     assert info["cache_mib"] > info["recurrent_state_mib"]
     here = ahead(*args, "--no-daemon")
     assert here.returncode == 0, here.stderr

@@ -84,6 +84,7 @@ class LocalBackend:
                 "last_reload_error": reloader.last_error if reloader else None,
                 "policy_restored": self.policy_restored,
                 "model_threads": torch.get_num_threads(),
+                "step": step_mode(self.engine),
                 **self._memory(),
                 **self.engine.policy.report()}
 
@@ -96,6 +97,7 @@ class LocalBackend:
         if self.engine.model.cfg.hybrid:
             out["recurrent_state_mib"] = round(caches.state_nbytes() / mib, 2)
             out["state_snapshots_per_slot"] = caches.ring
+            out["state_checkpoints_per_slot"] = caches.checkpoints
         return out
 
     def _plan(self, jobs: list[Job]) -> list[Job]:
@@ -207,3 +209,12 @@ def plan_step(jobs: list[Job], gens: dict[Job, Generation],
         batch.append(job)
         slots.add(gen.slot)
     return batch
+
+
+def step_mode(engine: Engine) -> str:
+    """How the engine's decode step runs (after any fallback to eager at load)."""
+    if engine.graphs:
+        return "cuda graphs"
+    if engine.compiled:
+        return "compiled" if engine.static else "compiled blocks"
+    return "eager"
