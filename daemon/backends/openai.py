@@ -202,13 +202,13 @@ class OpenAIBackend:
             async for event in _events(resp):
                 text = stream.read(event)
                 now = time.monotonic()
-                if stream.looped:  # closing the stream stops the server (see `finally`)
-                    text += stream.flush()
-                self._scheduler.stepped([StepReport(job, text, stream.finish if stream.looped
-                                                    else None, stream.usage(now))], now - last)
+                self._scheduler.stepped([StepReport(job, text, None, stream.usage(now))],
+                                        now - last)
                 last = now
-                if not job.live or stream.looped:  # a deadline or a loop: the server stops too
+                if not job.live:  # it ended here (a deadline): the server stops too
                     return
+                if stream.looped:  # it ends as "repetition"; closing the stream (`finally`)
+                    break  # stops the server
             now = time.monotonic()
             self._scheduler.stepped([StepReport(job, stream.flush(), stream.finish,
                                                 stream.usage(now))], now - last)
