@@ -68,17 +68,14 @@ def start_daemon(args: list[str], timeout: float) -> bool:
     # The daemon outlives this call; a waiting thread reaps it whenever it exits.
     threading.Thread(target=proc.wait, name="ahead-daemon-reaper", daemon=True).start()
     assert proc.stdout is not None and proc.stderr is not None
-    try:
+    with proc.stdout, proc.stderr:  # both closed on every way out
         line = _readline(proc, timeout)
-    finally:
-        proc.stdout.close()
-    if line.strip() != b"ready":
+        if line.strip() == b"ready":
+            return True
         err = proc.stderr.read().decode(errors="replace").strip()
-        if "another ahead daemon is running" in err:
-            return False  # someone else started it first: fine
-        raise DaemonUnavailable(f"the daemon did not start: {err or 'no answer'}")
-    proc.stderr.close()
-    return True
+    if "another ahead daemon is running" in err:
+        return False  # someone else started it first: fine
+    raise DaemonUnavailable(f"the daemon did not start: {err or 'no answer'}")
 
 
 def _readline(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
