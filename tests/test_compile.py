@@ -44,7 +44,7 @@ def test_the_compiled_step_never_recompiles(trained_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_compiled_blocks_keep_eager_shapes_and_compile_a_handful_of_variants(
-        trained_dir: Path) -> None:
+        trained_dir: Path, random_dir: Path) -> None:
     """fp32 on the CPU (no bit-identity promise): compile=True compiles each full-attention
     block, one compiled copy for every layer and module, and the step keeps its eager shapes.
     Over 50 steps that vary K, prompt lengths and live slots it compiles no more than a
@@ -76,6 +76,19 @@ def test_compiled_blocks_keep_eager_shapes_and_compile_a_handful_of_variants(
         assert runs[0] == runs[1]
     assert 0 < counters["stats"]["unique_graphs"] <= 12  # far from the limit (BLOCK_VARIANTS)
     assert not counters["graph_break"]
+    # An engine loaded next (a daemon's reload, here to another model) compiles its own
+    # variants: they do not add to this one's towards the limit.
+    variants = compiled_variants(engine)
+    reloaded = Engine.load(random_dir, max_seq_len=256, slots=3, compile=True)
+    reloaded.generate(prompts[0], GenParams(12))
+    assert compiled_variants(reloaded) > 0 and compiled_variants(engine) == variants
+
+
+def compiled_variants(engine: Engine) -> int:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    code = engine.model.block_runner._torchdynamo_orig_callable.__code__  # type: ignore[attr-defined]
+    return len(_debug_get_cache_entry_list(code))
 
 
 @pytest.mark.slow

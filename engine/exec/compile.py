@@ -17,12 +17,18 @@ Two ways, by what the engine promises:
   where the whole step takes ten.
 Inductor keeps what it compiled on disk ($XDG_CACHE_HOME/ahead/inductor), so a daemon that
 restarts compiles little.
+Each engine compiles its own copies of these functions: Dynamo keeps compiled variants on a
+function's code object, and with shared code every engine a daemon reloads would add its
+variants to the last one's until the limit, past which steps run eager.
 """
 
 from __future__ import annotations
 
 import os
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +45,15 @@ def cache_dir() -> Path:
     return Path(base) / "ahead" / "inductor"
 
 
+def own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a code object of its own, so what Dynamo compiles for it is kept apart."""
+    assert isinstance(fn, types.FunctionType)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return copy
+
+
 def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     """The functions a step runs; for a compiled eager-shaped step, the model's blocks run
     compiled (and uncompiled again when `compiled` is False)."""
@@ -47,10 +62,10 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
         return EAGER
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
     if static:
-        return StepFns(torch.compile(verify_window, fullgraph=True, dynamic=False),
-                       torch.compile(draft_one, fullgraph=True, dynamic=False))
+        return StepFns(torch.compile(own_copy(verify_window), fullgraph=True, dynamic=False),
+                       torch.compile(own_copy(draft_one), fullgraph=True, dynamic=False))
     # Not fullgraph: a block that cannot compile whole (an op Dynamo does not know, variants
     # past the limit) runs partly eager rather than failing a request.
     model.block_runner = torch.compile(  # type: ignore[call-overload]
-        run_block, dynamic=True, recompile_limit=BLOCK_VARIANTS)
+        own_copy(run_block), dynamic=True, recompile_limit=BLOCK_VARIANTS)
     return EAGER
