@@ -205,7 +205,8 @@ class HttpEndpoint:
                     tuple((c.filename, c.text) for c in req.input_extra),
                     max_tokens=req.max_tokens(),
                     temperature=req.temperature, top_p=req.top_p, stop=tuple(req.stop),
-                    seed=None if req.seed < 0 else req.seed, slot=("http", 0))
+                    seed=None if req.seed < 0 else req.seed, slot=("http", 0),
+                    indent_floor=req.n_indent)
         async with self._run([work], "editor", budget_ms=req.t_max_predict_ms) as run:
             if not req.stream:
                 done = (await run.dones())[0]

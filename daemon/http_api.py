@@ -79,6 +79,9 @@ class InfillRequest(msgspec.Struct):
     stream: bool = False
     t_max_predict_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
     response_fields: list[str] | None = None
+    # The answer ends before a line (after its first) indented less than this (0: never);
+    # llama.vim sends the cursor line's indentation (engine/decode/indent.py).
+    n_indent: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if self.n_predict > MAX_TOKENS:

@@ -81,9 +81,14 @@ class Complete(_Msg, tag="complete"):
     # it is, with its scores, for a client that judges it itself.
     judge: bool = True
     stop_loops: bool = True  # the local engine ends the answer where it loops (quality.py)
+    # The answer ends before the first line after its first that is indented less than this
+    # many characters (0: never): the end of the block being written (engine/decode/indent.py).
+    indent_floor: int = 0
 
     def __post_init__(self) -> None:  # msgspec answers a ValueError here as invalid
         check_sampling(self.temperature)
+        if self.indent_floor < 0:
+            raise ValueError(f"indent_floor must be >= 0, got {self.indent_floor}")
 
 
 class Generate(_Msg, tag="generate"):

@@ -117,7 +117,7 @@ class Requests:
         work = Work(req.prefix, req.suffix, tuple((c.path, c.text) for c in req.extra),
                     max_tokens=req.max_tokens, temperature=req.temperature,
                     stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key,
-                    stop_loops=req.stop_loops)
+                    stop_loops=req.stop_loops, indent_floor=req.indent_floor)
         job = self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms,
                        key=key, multiline=req.multiline)
         self._last[key] = _Last(req.prefix, req.suffix, job)

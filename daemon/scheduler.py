@@ -45,6 +45,7 @@ class Work:
     k: int | None = None  # the local engine's drafts per step (None: adaptive)
     speculative: bool = True
     stop_loops: bool = True  # the local engine ends the answer where it loops
+    indent_floor: int = 0  # the answer ends before a line indented less (engine/decode/indent.py)
     slot: Hashable = None  # the local engine's KV-cache slot (a document keeps its prefix)
 
     @property

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.decode import quality
+from engine.decode.indent import IndentFloor
 from engine.decode.policy import TextKind, classify
 from engine.decode.sampling import Sampling
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -33,10 +34,13 @@ class GenParams:
     speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
     forced: str = ""  # the output must start with this text, which is not returned (healing)
     stop_loops: bool = True  # end the output where it falls into a loop (see quality.py)
+    indent_floor: int = 0  # end the output where a line is indented less (see indent.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.indent_floor < 0:
+            raise ValueError(f"indent_floor must be >= 0, got {self.indent_floor}")
         if self.k is not None and self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
 
@@ -118,6 +122,7 @@ class Generation(Iterator[Step]):
         self._held = ""  # text that may begin a stop string, not yet returned
         self._unforced = params.forced  # forced text not yet removed from the output
         self._loops = quality.LoopWatch(engine.tokenizer.piece)
+        self._block = IndentFloor(params.indent_floor)
 
     def __next__(self) -> Step:
         step = self._engine.step([self])[0]
@@ -190,6 +195,9 @@ class Generation(Iterator[Step]):
                      min(len(text), len(self._unforced)))
             text, self._unforced = text[n:], self._unforced[n:]
         text = self._apply_stop_strings(text)
+        text = self._block.push(text, final=self.finish_reason is not None)
+        if self._block.ended:
+            self.finish("stop")
         self.text += text
         self._tail = (self._tail + text)[-256:]
         self.kind = classify(self._tail)

@@ -20,7 +20,7 @@ from pygls.workspace import Workspace
 from daemon import protocol as p
 from daemon.client import Client, DaemonUnavailable, RequestFailed
 from lsp.context import ExtraContext, cursor_window
-from lsp.postprocess import cursor_lines, postprocess, wants_multiline
+from lsp.postprocess import cursor_lines, indent_floor, postprocess, wants_multiline
 
 log = logging.getLogger("ahead.lsp")
 
@@ -128,11 +128,13 @@ class Completer:
         c = cursor_lines(window.prefix, window.suffix)
         before, after = c.before, c.after
         multiline = wants_multiline(before, after, c.next_line, prev_line=c.prev_line)
+        floor = indent_floor(before, after, c.prev_line) if multiline else 0
         path = uri_path(uri)
         extra = [p.ContextChunk(path=cp, text=ct) for cp, ct in self.extra.chunks(exclude=path)]
         req = p.Complete(id=0, session=self.session, document=uri, prefix=window.prefix,
                          suffix=window.suffix, extra=extra, language=language, path=path,
-                         max_tokens=s.max_tokens, multiline=multiline, budget_ms=s.budget_ms)
+                         max_tokens=s.max_tokens, multiline=multiline, budget_ms=s.budget_ms,
+                         indent_floor=floor)
         return req, before, after
 
     async def feedback(self, event: p.FeedbackEvent, chars: int) -> None:

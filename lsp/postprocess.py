@@ -58,18 +58,37 @@ def wants_multiline(
     A block that already has a body below (`next_line` indented deeper than the opener) gets
     one line, as does any cursor with real text to its right.
     """
+    opener = _opener(line_before_cursor, line_after_cursor, prev_line)
+    if opener is None:
+        return False
+    return next_line is None or not next_line.strip() or _indent(next_line) <= _indent(opener)
+
+
+def indent_floor(line_before_cursor: str, line_after_cursor: str, prev_line: str | None) -> int:
+    """For a multi-line suggestion, the indentation below which a line ends it (the daemon
+    stops the model there, engine/decode/indent.py): one character past the opener's when
+    the block ends by indentation (Python's `:`); 0 for a `{` block, whose closing line
+    `_block_lines` keeps."""
+    opener = _opener(line_before_cursor, line_after_cursor, prev_line)
+    if opener is None or not opener.rstrip().endswith(":"):
+        return 0
+    return len(opener) - len(opener.lstrip(" \t")) + 1
+
+
+def _opener(line_before_cursor: str, line_after_cursor: str, prev_line: str | None,
+            ) -> str | None:
+    """The block opener the cursor starts the body of: its own line (the cursor at its end)
+    or the line above a blank cursor line; None when there is none."""
     after = line_after_cursor.strip()
     if any(char not in _CLOSERS for char in after):
-        return False
+        return None
     if not line_before_cursor.strip():
         opener = prev_line
     elif not after or _closes_brace(line_before_cursor, after):
         opener = line_before_cursor
     else:
-        return False
-    if opener is None or not _opens_block(opener):
-        return False
-    return next_line is None or not next_line.strip() or _indent(next_line) <= _indent(opener)
+        return None
+    return opener if opener is not None and _opens_block(opener) else None
 
 
 def _opens_block(line: str) -> bool:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from lsprotocol import types
@@ -232,4 +233,28 @@ async def test_a_looping_stream_is_cut_at_the_loop_and_the_peer_stops(
             assert free.finish_reason == "length"  # it would go on to the end
             assert cut.finish_reason == "repetition" and cut.stats.tokens < 96
             assert free.text.startswith(cut.text)
+            assert "cancel task" in await peer.wait_for_log("cancel task", TIMEOUT, since=seen)
+
+
+async def test_a_stream_ends_at_the_end_of_the_block_and_the_peer_stops(
+        model_dir: Path, bundled_gguf: Path, tmp_path: Path) -> None:
+    """With an indentation floor the backend ends a served answer where the block ends, as
+    the local engine does (engine/decode/indent.py), and closes the stream there."""
+    from engine.decode.indent import IndentFloor
+
+    request = p.Complete(id=0, session="s", document="d.py", suffix="\n", max_tokens=96,
+                         prefix="class Stack:\n    def __init__(self):\n        ",
+                         judge=False, stop_loops=False)
+    async with LlamaServer(bundled_gguf, context=CONTEXT) as peer:
+        backend = OpenAIBackend(peer.url, TokenizerPrompts(model_dir, CONTEXT), timeout=10)
+        async with serving(backend, tmp_path / "rt") as server:
+            client = Client(server.socket_path, autostart=False)
+            free = await client.run(request)
+            seen = len(peer.lines)
+            cut = await client.run(msgspec.structs.replace(request, session="t",
+                                                           indent_floor=8))
+            await client.close()
+            rule = IndentFloor(8)
+            assert cut.text == rule.push(free.text, final=True) and rule.ended
+            assert cut.finish_reason == "stop" and cut.stats.tokens < free.stats.tokens
             assert "cancel task" in await peer.wait_for_log("cancel task", TIMEOUT, since=seen)

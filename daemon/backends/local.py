@@ -163,7 +163,7 @@ class LocalBackend:
         params = GenParams(max_new_tokens=w.max_tokens, temperature=w.temperature,
                            top_p=w.top_p, stop=w.stop, seed=w.seed, k=w.k,
                            speculative=w.speculative, forced=prompt.forced,
-                           stop_loops=w.stop_loops)
+                           stop_loops=w.stop_loops, indent_floor=w.indent_floor)
         return engine.start(prompt.ids, params, slot=w.slot, stable=prompt.stable)
 
 

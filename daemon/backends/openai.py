@@ -36,6 +36,7 @@ import aiohttp
 from daemon.backends.prompts import PromptBuilder, RemotePrompt, prompt_builder
 from daemon.config import Settings
 from daemon.scheduler import Job, Scheduler, StepReport, Usage
+from engine.decode.indent import IndentFloor
 from engine.decode.quality import REPETITION, LoopWatch
 
 log = logging.getLogger("ahead.daemon")
@@ -196,7 +197,8 @@ class OpenAIBackend:
         sent = time.monotonic()  # the hop counts from here: connecting is part of it
         resp = await self._post(url, self._body(job, prompt))
         self.health.up()
-        stream = _Stream(prompt.endpoint, prompt.forced, sent, loops=job.work.stop_loops)
+        stream = _Stream(prompt.endpoint, prompt.forced, sent, loops=job.work.stop_loops,
+                         indent_floor=job.work.indent_floor)
         last = job.started or sent  # the backend's time: the prompt's building, the stream
         try:
             async for event in _events(resp):
@@ -207,8 +209,8 @@ class OpenAIBackend:
                 last = now
                 if not job.live:  # it ended here (a deadline): the server stops too
                     return
-                if stream.looped:  # it ends as "repetition"; closing the stream (`finally`)
-                    break  # stops the server
+                if stream.ended:  # a loop, or the block's end: closing the stream
+                    break  # (`finally`) stops the server
             now = time.monotonic()
             self._scheduler.stepped([StepReport(job, stream.flush(), stream.finish,
                                                 stream.usage(now))], now - last)
@@ -267,7 +269,7 @@ class _Stream:
     tokens' log-probabilities, and whether the text has fallen into a loop."""
 
     def __init__(self, endpoint: str, forced: str, sent: float = 0.0, *,
-                 loops: bool = True) -> None:
+                 loops: bool = True, indent_floor: int = 0) -> None:
         self.infill, self.forced, self.sent = endpoint == "infill", forced, sent
         self.finish: str | None = None
         self.chunks = 0
@@ -280,6 +282,12 @@ class _Stream:
         self._pieces: dict[str, int] = {}  # token text -> an id of our own, for the watch
         self._texts: list[str] = []
         self._watch = LoopWatch(self._texts.__getitem__) if loops else None
+        self._block = IndentFloor(indent_floor)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the text has ended here: a loop, or the end of the block (indent.py)."""
+        return self.looped or self._block.ended
 
     def usage(self, now: float) -> Usage:
         """So far; the HTTP hop (the round trip since `sent` beyond the server's own time)
@@ -314,7 +322,10 @@ class _Stream:
             self.tokens = int(t.get("predicted_n") or 0)
             ms = float(t.get("prompt_ms") or 0.0) + float(t.get("predicted_ms") or 0.0)
             self.server_s = ms / 1000
-        return self._unforced(text)
+        text = self._block.push(self._unforced(text))
+        if self._block.ended and not self.looped:
+            self.finish = "stop"
+        return text
 
     def _score(self, event: dict[str, Any], text: str) -> None:
         """Take the chunk's tokens: their log-probabilities into the scores, their text into
@@ -354,7 +365,7 @@ class _Stream:
 
     def flush(self) -> str:
         held, self._held, self.forced = self._held, "", ""
-        return held
+        return self._block.push(held, final=True)
 
     def _unforced(self, text: str) -> str:
         if not self.forced:
