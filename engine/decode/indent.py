@@ -41,18 +41,20 @@ class IndentFloor:
             while col < len(buf) and buf[col] in _INDENT:
                 col += 1
             if col == len(buf):  # the line's indentation so far, no character after it
-                break
+                return buf if final else self._hold(buf, _line_end(buf, nl))
             if buf[col] not in "\r\n" and col - nl - 1 < self.floor:
                 self.ended = True
-                return buf[:nl - (nl > 0 and buf[nl - 1] == "\r")]  # (a "\r\n" line end)
+                return buf[:_line_end(buf, nl)]
             start = col
-        else:
-            if buf.endswith("\r") and not final:  # perhaps a line end: kept with its "\n"
-                self._held = "\r"
-                return buf[:-1]
-            return buf
-        if final:
-            return buf
-        nl -= nl > 0 and buf[nl - 1] == "\r"
-        self._held = buf[nl:]
-        return buf[:nl]
+        if buf.endswith("\r") and not final:  # perhaps a line end: kept with its "\n"
+            return self._hold(buf, len(buf) - 1)
+        return buf
+
+    def _hold(self, buf: str, at: int) -> str:
+        self._held = buf[at:]
+        return buf[:at]
+
+
+def _line_end(buf: str, nl: int) -> int:
+    """Where the line that the newline at `nl` ends stops ("\r\n" ends included)."""
+    return nl - 1 if nl > 0 and buf[nl - 1] == "\r" else nl
