@@ -146,7 +146,7 @@ def parse_location(spec: str) -> tuple[Path, int, int]:
 
 def cmd_complete(args: argparse.Namespace) -> int:
     from lsp.context import cursor_window
-    from lsp.postprocess import cursor_lines, postprocess, wants_multiline
+    from lsp.postprocess import ask_for, cursor_lines, postprocess
 
     path, line, col = parse_location(args.location)
     try:
@@ -159,9 +159,10 @@ def cmd_complete(args: argparse.Namespace) -> int:
     offset = sum(len(x) + 1 for x in lines[:line - 1]) + col - 1
     window = cursor_window(text, offset)
     c = cursor_lines(window.prefix, window.suffix)
-    multiline = wants_multiline(c.before, c.after, c.next_line, prev_line=c.prev_line)
-    raw = _complete_here(args, window.prefix, window.suffix, multiline) if args.no_daemon \
-        else _complete_daemon(args, path, window.prefix, window.suffix, multiline)
+    multiline, floor = ask_for(c)
+    raw = _complete_here(args, window.prefix, window.suffix, multiline, floor) \
+        if args.no_daemon else \
+        _complete_daemon(args, path, window.prefix, window.suffix, multiline, floor)
     shown = postprocess(raw, line_before_cursor=c.before, line_after_cursor=c.after,
                         suffix=window.suffix, multiline=multiline)
     if args.json:
@@ -173,14 +174,15 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
-def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline: bool) -> str:
+def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline: bool,
+                   floor: int) -> str:
     from engine import GenParams
     from engine.decode import quality
 
     engine = load_engine(args)
     prompt = engine.fill_in_prompt(prefix, suffix, max_new_tokens=args.max_tokens)
     params = GenParams(max_new_tokens=args.max_tokens, stop=() if multiline else ("\n",),
-                       forced=prompt.forced)
+                       forced=prompt.forced, indent_floor=floor)
     gen = engine.generate(prompt.ids, params)
     shown, _ = quality.judged(gen.text, gen.finish_reason, gen.confidence,
                               settings().min_confidence, prefix=prefix, suffix=suffix)
@@ -188,10 +190,10 @@ def _complete_here(args: argparse.Namespace, prefix: str, suffix: str, multiline
 
 
 def _complete_daemon(args: argparse.Namespace, path: Path, prefix: str, suffix: str,
-                     multiline: bool) -> str:
+                     multiline: bool, floor: int) -> str:
     from daemon import protocol as p
 
     msg = p.Complete(id=0, session="cli", document=str(path.resolve()), prefix=prefix,
                      suffix=suffix, path=str(path), max_tokens=args.max_tokens,
-                     multiline=multiline, priority="cli")
+                     multiline=multiline, indent_floor=floor, priority="cli")
     return str(_through_daemon(args, msg, None).text)

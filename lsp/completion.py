@@ -20,7 +20,7 @@ from pygls.workspace import Workspace
 from daemon import protocol as p
 from daemon.client import Client, DaemonUnavailable, RequestFailed
 from lsp.context import ExtraContext, cursor_window
-from lsp.postprocess import cursor_lines, indent_floor, postprocess, wants_multiline
+from lsp.postprocess import ask_for, cursor_lines, postprocess
 
 log = logging.getLogger("ahead.lsp")
 
@@ -127,8 +127,7 @@ class Completer:
                                max_suffix_chars=s.suffix_chars)
         c = cursor_lines(window.prefix, window.suffix)
         before, after = c.before, c.after
-        multiline = wants_multiline(before, after, c.next_line, prev_line=c.prev_line)
-        floor = indent_floor(before, after, c.prev_line) if multiline else 0
+        multiline, floor = ask_for(c)
         path = uri_path(uri)
         extra = [p.ContextChunk(path=cp, text=ct) for cp, ct in self.extra.chunks(exclude=path)]
         req = p.Complete(id=0, session=self.session, document=uri, prefix=window.prefix,

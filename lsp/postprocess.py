@@ -64,6 +64,14 @@ def wants_multiline(
     return next_line is None or not next_line.strip() or _indent(next_line) <= _indent(opener)
 
 
+def ask_for(c: CursorLines) -> tuple[bool, int]:
+    """What to ask the model for at the cursor: whether a multi-line suggestion (else the
+    rest of the line), and the indentation floor that ends a multi-line one (0: none). The
+    editor, `ahead complete` and the quality bench ask alike."""
+    multiline = wants_multiline(c.before, c.after, c.next_line, prev_line=c.prev_line)
+    return multiline, indent_floor(c.before, c.after, c.prev_line) if multiline else 0
+
+
 def indent_floor(line_before_cursor: str, line_after_cursor: str, prev_line: str | None) -> int:
     """For a multi-line suggestion, the indentation below which a line ends it (the daemon
     stops the model there, engine/decode/indent.py): one character past the opener's when

@@ -27,7 +27,7 @@ from typing import Any
 from clients.docstring_edit import QUOTES, Target, clean, fim_request, split_lines
 from engine import Engine, GenParams
 from engine.decode import quality
-from lsp.postprocess import cursor_lines, indent_floor, postprocess, wants_multiline
+from lsp.postprocess import ask_for, cursor_lines, postprocess
 
 KINDS = ("line_start", "mid_line", "after_def", "body")
 THRESHOLDS = (0.0, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
@@ -122,8 +122,7 @@ def _pick_line(lines: list[str], kind: str, rng: random.Random) -> int | None:
 def complete_at(engine: Engine, c: Cursor, *, rules: bool, max_tokens: int) -> Answer:
     """The suggestion the editor would get at `c` (threshold 0), and how it compares."""
     cl = cursor_lines(c.prefix, c.suffix)
-    multiline = wants_multiline(cl.before, cl.after, cl.next_line, prev_line=cl.prev_line)
-    floor = indent_floor(cl.before, cl.after, cl.prev_line) if multiline else 0
+    multiline, floor = ask_for(cl)
     prompt = engine.fill_in_prompt(c.prefix, c.suffix, max_new_tokens=max_tokens)
     gen = engine.generate(prompt.ids, GenParams(
         max_new_tokens=max_tokens, stop=() if multiline else ("\n",), forced=prompt.forced,
