@@ -60,6 +60,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result["model"] = str(model_dir(args))
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
+    result["exact"] = engine.exactness
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

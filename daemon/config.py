@@ -11,7 +11,9 @@
     graphs = "auto"                  # CUDA graphs for the decode step: auto (on CUDA) | on | off
     compile = "auto"                 # torch.compile the step: auto (on CUDA) | on | off
     exact = "auto"                   # bit-identical to plain decoding even where it costs:
-                                     # auto (all but fp32 on the CPU) | on | off
+                                     # auto (all but fp32 on the CPU; given up, and said so
+                                     # in ahead status, where the device cannot keep it) |
+                                     # on (refuses to load there) | off
 
     # A remote serving engine instead of the local model (see daemon/backends/openai.py):
     backend = "openai"               # local (default) | openai

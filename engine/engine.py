@@ -41,6 +41,10 @@ log = logging.getLogger("ahead.engine")
 PROMPT_SPARE = 4  # tokens a prompt leaves beyond the answer and a verify pass: markers, slack
 
 
+class ExactnessUnavailable(ValueError):
+    """Exact decoding was asked for on a device whose rows differ in every step shape."""
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_seq_len: int = 4096,
                  k_max: int = 8, slots: int = 4, compile: bool | None = None,
@@ -60,8 +64,12 @@ class Engine:
         # Whether to pay for that where it costs: in fp32 on the CPU (a one-row matmul rounds
         # unlike a many-row one; padding plain steps to 4 rows costs 30%) speed wins by default,
         # and output may differ from plain decoding at near-ties (a few in a thousand prompts).
+        # None (auto) gives up the promise where the device cannot keep it; True refuses to.
+        self.exact_asked = exact
         self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
             if exact is None else exact
+        self.exactness = "on" if self.exact else (
+            "off" if exact is False else "off (auto: fp32 on the CPU, where it costs)")
         # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
                              widest=self.width)
@@ -94,11 +102,12 @@ class Engine:
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
              dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
-             exact: bool | None = None) -> Engine:
+             exact: bool | None = None, fixed_shapes: bool | None = None) -> Engine:
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         model = load_model(model_dir, device=device, dtype=dtype)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
-                     k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact)
+                     k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
+                     fixed_shapes=fixed_shapes)
         engine.model_dir = Path(model_dir)
         engine.calibrate()
         return engine
@@ -208,7 +217,11 @@ class Engine:
 
     def _start_rows(self, gens: list[Generation], *, restore: bool) -> list[int]:
         """Prefill (or, after another generation took the slot, restore) each generation's
-        slot, pick its first token unless it has one, and draft for its next step."""
+        slot, pick its first token unless it has one, and draft for its next step. Where the
+        number of rows in a call changes their bits, each prompt runs alone, as it would if
+        nothing shared its step."""
+        if len(gens) > 1 and not self.invariance.batch_invariant:
+            return [r for g in gens for r in self._start_rows([g], restore=restore)]
         slots = [self.slots.get(g.slot) for g in gens]
         rows = [PrefillRow(s, g.sequence, len(g.sequence) - restore, g.stable)
                 for s, g in zip(slots, gens, strict=True)]
@@ -304,17 +317,21 @@ class Engine:
         return kv_blocks(n, self.caches.length)
 
     def _run(self, index: list[int], shape: Shape) -> torch.Tensor:
-        """The step for the slots in `index`; where the batch size changes the bits, or the
-        step runs one shape, padded to all slots with rows that run in the spare slot and
-        are thrown away."""
-        pad = 0 if self.invariance.batch_invariant and not self.static else \
+        """The step's rows for the slots in `index`, in that order; where the batch size
+        changes the bits, or the step runs one shape, padded to all slots with rows that run
+        in the spare slot and are thrown away; where a row's bits depend on its batch row,
+        each slot in a call of its own (eager: graphs are captured for all slots)."""
+        alone = self.invariance.alone
+        if alone and len(index) > 1:
+            return torch.cat([self._run([i], shape) for i in index])
+        pad = 0 if alone or (self.invariance.batch_invariant and not self.static) else \
             self.max_slots - len(index)
         if pad:
             self.state.set_rows([self._pad_slot], lengths=[0], num_drafts=[0], plan=[[0, 0, 0]])
         index = index + [self._pad_slot] * pad
         if not self.static:
             shape = replace(shape, span=span_of(index))
-        if self._graphed is not None:
+        if self._graphed is not None and not alone:
             return self._graphed(index, shape)
         return self._call_step(torch.tensor(index, device=self.device), shape)
 
@@ -370,15 +387,32 @@ class Engine:
         every = torch.ones(self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
         return torch.stack([every if m is None else m for m in masks])
 
+    def _without_exactness(self, reason: str) -> None:
+        """The device cannot keep rows bit-identical to plain decoding in any step shape:
+        refuse if that was asked for, else run without the promise and say so once."""
+        if self.exact_asked:
+            raise ExactnessUnavailable(
+                f"exact decoding is unavailable on this device ({reason}): speculative output "
+                "could differ from plain decoding at near-ties; set exact = \"auto\" or "
+                "\"off\" to run without that promise")
+        self.exact, self.invariance = False, Invariance.unconstrained()
+        self.exactness = f"unavailable on this device ({reason})"
+        log.warning("exact: %s; output may differ from plain decoding at near-ties",
+                    self.exactness)
+        if self.static and self.device.type == "cpu":  # compiled whole only for exactness
+            self.static, self.early_exit = False, True
+            self.fns = step_fns(self.model, self.compiled, False)
+        self.model.set_exact(self.static)
+
     # Step costs
 
     def calibrate(self) -> None:
         """Measure on this device which step shapes keep rows bit-identical, then the step
         cost of every K for the K policy."""
-        if self.exact:
-            self.invariance = probe(self.model, self.width, self.max_slots)
-        else:
-            self.invariance = Invariance(1, batch_invariant=True, key_invariant=True)
+        self.invariance = probe(self.model, self.width, self.max_slots) if self.exact \
+            else Invariance.unconstrained()
+        if not self.invariance.exact:
+            self._without_exactness(self.invariance.reason or "")
         try:
             costs = measure_costs(self, self.model.cfg.vocab_size, row_buckets(self.max_slots))
         except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)

@@ -6,11 +6,31 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine
+from engine import Engine, ExactnessUnavailable
 from training.synthetic import write_checkpoint
 
 # Token ids the synthetic chain is trained on (see engine/synthetic.py).
 CHAIN_VOCAB = range(300, 396)
+
+
+def load_exact(path: Path, **kw: object) -> Engine:
+    """`Engine.load(path, exact=True, ...)` for a test of the decoding contract; on a device
+    where no step shape keeps it (engine/exec/invariance.py), the refusal must name why, and
+    the test is skipped with it: there is no contract to check there."""
+    try:
+        return Engine.load(path, exact=True, **kw)  # type: ignore[arg-type]
+    except ExactnessUnavailable as e:
+        assert "unavailable on this device (" in str(e)
+        pytest.skip(str(e))
+
+
+def require_exact(engine: Engine) -> Engine:
+    """An engine whose auto setting promised exactness, or the skip that says this device
+    gave it up (and that it said so)."""
+    if not engine.exact:
+        assert engine.exactness.startswith("unavailable on this device (")
+        pytest.skip(f"exact: {engine.exactness}")
+    return engine
 
 
 @pytest.fixture(scope="session")

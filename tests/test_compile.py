@@ -14,13 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from daemon.backends.local import step_mode
 from engine import Engine, GenParams
 from engine.model.block import run_block
-from tests.conftest import CHAIN_VOCAB
+from tests.conftest import CHAIN_VOCAB, load_exact
 
 
 @pytest.mark.slow
 def test_the_compiled_step_never_recompiles(trained_dir: Path) -> None:
     torch._dynamo.reset()
-    engine = Engine.load(trained_dir, max_seq_len=256, slots=3, compile=True, exact=True)
+    engine = load_exact(trained_dir, max_seq_len=256, slots=3, compile=True)
     assert engine.static and engine.early_exit is False and step_mode(engine) == "compiled"
     rng = random.Random(0)
     steps, batches = 0, 0

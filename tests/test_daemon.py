@@ -198,6 +198,7 @@ async def test_status_reports_counters(daemon: Server) -> None:
     assert info["model"] == "tiny" and info["counts"]["requests_completed"] >= 2
     assert info["counts"]["completions"] == 1 and info["latency_ms"]["n"] == 2
     assert info["step"] == "eager"  # how the step runs: the CPU default
+    assert info["exact"] == "off (auto: fp32 on the CPU, where it costs)"
     assert set(info["acceptance_by_position"]) == {"code", "comment", "string"}
     await client.close()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, GenParams
+from tests.conftest import require_exact
 from tests.test_identity import code_prompts, run_batched
 
 pytestmark = pytest.mark.gpu
@@ -18,8 +19,8 @@ if not torch.cuda.is_available():
 
 
 def load(model_dir: Path, **kw: object) -> Engine:
-    return Engine.load(model_dir, device="cuda", dtype=torch.bfloat16, max_seq_len=1024,
-                       slots=3, **kw)  # type: ignore[arg-type]
+    return require_exact(Engine.load(model_dir, device="cuda", dtype=torch.bfloat16,
+                                     max_seq_len=1024, slots=3, **kw))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

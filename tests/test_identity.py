@@ -12,6 +12,7 @@ import torch
 
 from engine import Engine, GenParams
 from engine.exec.invariance import Invariance
+from tests.conftest import require_exact
 
 # (file, line): cursor positions where the previous engine's speculative output left plain
 # decoding in bf16 (fp32 top-2 gaps of a few thousandths), and two more.
@@ -31,7 +32,7 @@ def code_prompts(engine: Engine, count: int = len(CURSORS)) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def bf16_engine(model_dir: Path) -> Engine:
-    return Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=1024, slots=3)
+    return require_exact(Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=1024, slots=3))
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import Engine, Generation, GenParams
+from tests.conftest import load_exact
 from tests.test_identity import run_batched
 from training.synthetic import write_checkpoint
 
@@ -31,8 +32,8 @@ def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def engine(request: pytest.FixtureRequest, hybrid_dir: Path) -> Engine:
     """With noise on the module's input projection, so that some drafts are rejected."""
-    engine = Engine.load(hybrid_dir, dtype=request.param, max_seq_len=256, k_max=K_MAX,
-                         slots=3, exact=True)
+    engine = load_exact(hybrid_dir, dtype=request.param, max_seq_len=256, k_max=K_MAX,
+                        slots=3)
     w = engine.model.mtp[0].eh_proj.weight
     with torch.no_grad():
         noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(1))

@@ -219,5 +219,5 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"held-out loss (nats/token): {result['heldout_loss']:.3f}")
     lines.append(f"identical to autoregressive: {result['identical_to_ar']} "
                  f"({result['num_prompts']} prompts, {result['timed_prompts']} timed, "
-                 "medians over prompts)")
+                 f"medians over prompts; exact: {result.get('exact', '-')})")
     return "\n".join(lines)

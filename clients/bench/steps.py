@@ -58,7 +58,8 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     context = min(context, engine.prompt_budget(new_tokens))
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
     ks = ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]
-    out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots}
+    out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
+                           "exact": engine.exactness}
     say("prefill")
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     say("plain decoding")
@@ -117,7 +118,7 @@ def _batched(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[
     alone = [engine.generate(p, GenParams(new_tokens, speculative=False, stop_loops=False),
                              slot="bench").tokens
              for p in prompts]
-    gens = [engine.start(p, GenParams(new_tokens), slot=("batch", i))
+    gens = [engine.start(p, GenParams(new_tokens, stop_loops=False), slot=("batch", i))
             for i, p in enumerate(prompts)]
     engine.step(gens)
     t0 = time.perf_counter()
@@ -194,5 +195,5 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if "batched_tokens_per_s" in r:
         lines.append(f"{r['slots']} slots batched: {r['batched_tokens_per_s']:.1f} tokens/s")
-    lines.append(f"identical to plain decoding: {r['identical_to_ar']}")
+    lines.append(f"identical to plain decoding: {r['identical_to_ar']} (exact: {r['exact']})")
     return "\n".join(lines)

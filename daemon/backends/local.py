@@ -85,6 +85,7 @@ class LocalBackend:
                 "policy_restored": self.policy_restored,
                 "model_threads": torch.get_num_threads(),
                 "step": step_mode(self.engine),
+                "exact": self.engine.exactness,
                 **self._memory(),
                 **self.engine.policy.report()}
 

@@ -1,77 +1,140 @@
-"""Which step shapes give a row the same bits, measured on the device at load.
+"""Which step shapes give a row the bits of its plain decoding, measured on the device at load.
 
 A row's tokens are bit-identical to its plain decoding only if the kernels give each row the
-same result whatever else shares the call. Matmul libraries choose their kernels by shape
-(on this project's CPUs, fp32 matmuls take one path for 1 row, another for 2-3, another from
-4; bf16 ones one path for all), and so may attention. Rather than assume, the engine runs
-the trunk on a prefix and then verifies a window of W tokens in B slots for every W and B it
-may use, and compares the logits of the window's first position bit for bit:
+same result whatever else shares the call and wherever in the call it sits. Matmul libraries
+choose their kernels by shape (fp32 matmuls take one path for 1 row, another for a few,
+another for many), elementwise loops round the tail of a tensor unlike its body, and so on;
+which of these holds differs from CPU to CPU (AVX2, AVX-512, AMX) and GPU to GPU. Rather than
+assume, the engine runs the trunk on a prefix in every slot, then:
 
-- `min_width`: the narrowest verify whose logits equal those of every wider one (the engine
-  then never verifies fewer tokens: narrower windows are padding), else the widest;
-- `batch_invariant`: whether the number of slots in a step leaves the bits alone (else every
-  step pads the batch to all slots, so that every row always runs in the same call shape);
-- `key_invariant`: whether attending over more (masked) keys leaves them alone (else every
-  forward reads the whole cache).
+- verifies a window of W tokens in B slots for every W and B it may use, over bucketed and
+  over all keys, and keeps every row's logits;
+- decodes the same positions the way plain decoding does: one token a pass, at the first row
+  of the call, committing each before the next, in calls of all slots and of one (the
+  references);
+
+and compares each row of each window with the reference at its position, bit for bit. Of
+the step shapes in which they all agree it returns the one whose plain step runs the fewest
+rows (the common case: one editor, one slot live), then the one reading the fewest keys:
+
+- `key_invariant`: attending over more (masked) keys leaves the bits alone (else every
+  forward reads the whole cache);
+- `batch_invariant`: the number of slots in a step leaves them alone (else every step pads
+  the batch to all slots);
+- `alone`: a row's bits depend on which batch row it runs in, so each slot runs in a call of
+  its own (as plain decoding with nothing else live does);
+- `min_width`: the narrowest verify that agrees (the engine then never verifies fewer tokens:
+  narrower windows are padding);
+
+or, when none does, says so (`exact` False) and why: a verify's row j sits at row j of its
+call while plain decoding computes that position at row 0, so a device whose rows differ by
+where they sit in a call cannot keep the contract in any shape.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 import torch
+from torch import Tensor
 
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
 from engine.decode.prefill import kv_blocks
 from engine.model.transformer import Transformer
 
+BY_POSITION = "rows of one call differ by position"
+BY_RUN = "the same call gives other bits from run to run"
+KEY_ROOM = 512
+
 
 @dataclass(frozen=True, slots=True)
 class Invariance:
     min_width: int  # verify at least this many tokens per row
-    batch_invariant: bool  # else pad every step to all slots
+    batch_invariant: bool  # else pad every step to all slots, or run each slot alone
     key_invariant: bool  # else attend over the whole cache, not a multiple of a block
+    alone: bool = False  # each slot's rows run in a call of their own
+    exact: bool = True  # some shape above keeps every row's bits
+    reason: str | None = None  # why none does
+
+    @classmethod
+    def unconstrained(cls) -> Invariance:
+        """No promise asked for: the cheapest shapes."""
+        return cls(1, batch_invariant=True, key_invariant=True)
 
 
 @torch.inference_mode()
 def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 300,
           seed: int = 0) -> Invariance:
     cfg = model.cfg
-    caches = Caches(model, max_batch, prefix + 2 * width_max, scratch=width_max,
-                    widest=width_max)
+    # Slot max_batch decodes alone; room past the windows, so that a bucket of keys is not
+    # the whole cache.
+    caches = Caches(model, max_batch + 1, prefix + 2 * width_max + KEY_ROOM,
+                    scratch=width_max, widest=width_max)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (1, prefix + width_max), generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (1, prefix + 2 * width_max), generator=gen)
     ids = ids.to(caches.device)
-    slots = torch.arange(max_batch, device=caches.device)
-    pos = torch.arange(prefix, device=caches.device)[None].expand(max_batch, -1)
-    model.trunk(ids[:, :prefix].expand(max_batch, -1), caches.rope(pos),
-                CacheBatch(slots, pos, kv_blocks(prefix, caches.length)), caches.trunk)
+    slots = torch.arange(max_batch + 1, device=caches.device)
+    for s in range(max_batch + 1):  # one slot a pass, as prefills of hybrid models run
+        pos = torch.arange(prefix, device=caches.device)[None]
+        model.trunk(ids[:, :prefix], caches.rope(pos),
+                    CacheBatch(slots[s:s + 1], pos, kv_blocks(prefix, caches.length)),
+                    caches.trunk)
     caches.commit(slots, torch.zeros_like(slots))
-
-    def first_row(width: int, batch: int, kv_len: int) -> torch.Tensor:
-        window = ids[:, prefix:prefix + width].expand(batch, -1)
-        p = prefix + torch.arange(width, device=caches.device)[None].expand(batch, -1)
-        h = model.trunk(window, caches.rope(p), CacheBatch(slots[:batch], p, kv_len,
-                                                           per_position=True), caches.trunk)
-        return model.head(h)[:, 0]  # [B, V], the head run as the step runs it
-
     full = caches.length
-    results = {(w, b, kv): first_row(w, b, kv)
-               for w in range(1, width_max + 1) for b in sorted({1, max_batch})
+
+    def window(start: int, width: int, batch: int, kv_len: int, first: int = 0) -> Tensor:
+        """The logits [B, W, V] of a verify of `width` tokens from `start` in `batch` slots
+        from `first`; the committed state is left as it was (the ring keeps it)."""
+        tokens = ids[:, start:start + width].expand(batch, -1)
+        p = start + torch.arange(width, device=caches.device)[None].expand(batch, -1)
+        rows = CacheBatch(slots[first:first + batch], p, kv_len, per_position=True)
+        return model.head(model.trunk(tokens, caches.rope(p), rows, caches.trunk))
+
+    results = {(w, b, kv): window(prefix, w, b, kv)
+               for w, b in product(range(1, width_max + 1), sorted({1, max_batch}))
                for kv in sorted({kv_blocks(prefix + w, full), full})}
+    if not torch.equal(window(prefix, width_max, max_batch, full),
+                       results[(width_max, max_batch, full)]):
+        return _none(width_max, BY_RUN)
 
-    def same(w: int, batches: set[int], keys: set[int | None]) -> bool:
-        """Whether every window of w or more tokens, in these batch sizes, reading keys
-        bucketed (None) or all of them (full), gives the widest window's bits."""
-        ref = results[(width_max, min(batches), full)][0]
-        return all(torch.equal(r, ref.expand_as(r)) for (w2, b, kv), r in results.items()
-                   if w2 >= w and b in batches and (kv == full or None in keys))
+    def plain(batch: int, first: int) -> Tensor:
+        """Plain decoding in calls of `batch` slots: position prefix + j at the first row of
+        a pass of its own, committed before the next; the first slot's logits [1, W, V]."""
+        rows = []
+        for j in range(width_max):
+            rows.append(window(prefix + j, width_max, batch, full, first)[:1, 0])
+            caches.commit(slots[first:first + batch], torch.zeros(batch, dtype=torch.long,
+                                                                  device=caches.device))
+        return torch.stack(rows, dim=1)
 
-    bucketed = {None, full}
-    key_invariant = same(width_max, {1}, bucketed) or same(width_max, {max_batch}, bucketed)
-    keys: set[int | None] = bucketed if key_invariant else {full}
-    batch_invariant = same(width_max, {1, max_batch}, keys)
-    batches = {1, max_batch} if batch_invariant else {max_batch}
-    min_width = next(w for w in range(1, width_max + 1) if same(w, batches, keys))
-    return Invariance(min_width, batch_invariant, key_invariant)
+    padded, lone = plain(max_batch, 0), plain(1, max_batch)
+
+    def agree(min_width: int, batch: int | None, bucketed: bool, ref: Tensor) -> bool:
+        """Whether every window of min_width or more tokens in calls of `batch` slots (None:
+        any), over all keys (and bucketed ones), gives each row, in any batch row, the
+        reference's bits at its position."""
+        return all(torch.equal(r, ref[:, :w].expand_as(r)) for (w, b, kv), r in results.items()
+                   if w >= min_width and batch in (None, b) and (kv == full or bucketed))
+
+    shapes = {"invariant": (None, lone if torch.equal(lone, padded) else None),
+              "alone": (1, lone), "padded": (max_batch, padded)}
+    found = []
+    for (kind, (batch, ref)), bucketed in product(shapes.items(), (True, False)):
+        w = next((w for w in range(1, width_max + 1)
+                  if ref is not None and agree(w, batch, bucketed, ref)), None)
+        if w is not None:
+            rows = w * (max_batch if kind == "padded" else 1)  # in a lone slot's plain step
+            found.append((rows, not bucketed, list(shapes).index(kind),
+                          Invariance(w, kind == "invariant", bucketed, alone=kind == "alone")))
+    if not found:
+        return _none(width_max, BY_POSITION)
+    # The fewest rows a lone slot's plain step runs (the common case: one editor, one slot
+    # live); then bucketed keys; then one call for all slots.
+    return min(found, key=lambda f: f[:3])[3]
+
+
+def _none(width: int, reason: str) -> Invariance:
+    return Invariance(width, batch_invariant=False, key_invariant=False, exact=False,
+                      reason=reason)

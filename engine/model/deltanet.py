@@ -13,7 +13,9 @@ pass: one position after another, keeping the state after each, so that the step
 the state at the accepted length by a pick). The verify runs the recurrent form rather than
 the chunked one: position t's state is then computed from position t-1's by the same
 elementwise operations however many positions share the pass, which is what keeps
-speculative output bit-identical to plain decoding. The state is kept in fp32.
+speculative output bit-identical to plain decoding. The state is kept in fp32. The gates'
+exp, softplus and sigmoid run on small tensors (a few values per position) through
+`same_path`, so that a value's bits do not depend on where it sits in the pass.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import Tensor, nn
 from engine.cache.kv import CacheBatch
 from engine.cache.state import StateCache
 from engine.model.config import ModelConfig
-from engine.model.layers import fuse_linears
+from engine.model.layers import fuse_linears, same_path
 
 CHUNK = 64
 
@@ -91,8 +93,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(bsz, seqlen, self.num_k_heads, self.k_dim)
         k = k.reshape(bsz, seqlen, self.num_k_heads, self.k_dim)
         v = v.reshape(bsz, seqlen, self.num_v_heads, self.v_dim)
-        beta = b.float().sigmoid()  # [B, S, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log a_t
+        beta = same_path(torch.sigmoid, b.float())  # [B, S, Hv]
+        g = -self.A_log.float().exp() * same_path(F.softplus, a.float() + self.dt_bias.float())
         q, k, v = _prepare(q, k, v, self.num_v_heads // self.num_k_heads)
         if cache is not None and batch is not None and batch.per_position:
             out, states = recurrent(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
@@ -137,9 +139,10 @@ def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     [B, H, S], state [B, H, Dk, Dv]. Returns o [B, H, S, Dv] and the state after each
     position [B, S, H, Dk, Dv]."""
     outs, states = [], []
+    decay = same_path(torch.exp, g)  # a_t
     for t in range(q.shape[2]):
         k_t = k[:, :, t, :, None]  # [B, H, Dk, 1]
-        state = state * g[:, :, t, None, None].exp()
+        state = state * decay[:, :, t, None, None]
         delta = (v[:, :, t] - (state * k_t).sum(-2)) * beta[:, :, t, None]  # [B, H, Dv]
         state = state + k_t * delta[:, :, None]
         outs.append((state * q[:, :, t, :, None]).sum(-2))

@@ -6,6 +6,7 @@ Parameter names follow Hugging Face's Llama/Qwen modules so that trunk checkpoin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,20 @@ def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
                 lin.bias.data = bias[start:end]
             start = end
     return weight, bias
+
+
+SAME_PATH_ROW = 64  # elements: a whole number of any CPU's vectorised chunks (AVX-512 bf16: 64)
+
+
+def same_path(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """fn (elementwise) with every element computed by the same kernel path. ATen's CPU
+    loops run a contiguous tensor in vectorised chunks and its last numel % chunk elements
+    in a scalar loop, which rounds exp, softplus or sigmoid differently (Sleef against libm):
+    which rows fall in that tail depends on how many rows share the call (on AVX-512, every
+    call whose size is not a multiple of 32 floats). Each row padded to a multiple of
+    SAME_PATH_ROW elements leaves no tail."""
+    pad = -x.shape[-1] % SAME_PATH_ROW
+    return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x.contiguous())
 
 
 class MLP(nn.Module):

@@ -1,0 +1,182 @@
+"""The invariance probe's decisions, on any CPU: a model one of whose linear layers computes a
+row by another path depending on where the row sits in the call (as matmul libraries do: a
+one-row product by a matrix-vector kernel, the remainder rows of a tile by another kernel),
+each kind of dependence giving its own step shape; and the engine keeping its contract in
+the shape the probe returns, or, where none keeps it, refusing `exact=True` with the reason
+and running without the promise under auto, saying so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from daemon.backends.local import LocalBackend
+from engine import Engine, ExactnessUnavailable, Generation, GenParams
+from engine.exec.invariance import BY_POSITION, Invariance, probe
+from engine.model.transformer import Transformer
+from engine.model.weights import load_model
+from engine.tokenizer import Tokenizer
+from training.synthetic import write_checkpoint
+
+Rule = Callable[[int, int], Tensor]  # (batch, seqlen) of the call -> [B, S] bool: other path
+K_MAX, SLOTS = 3, 3
+BLOCK = 8
+RULES: dict[str, Rule] = {
+    # a one-row call goes through a matrix-vector kernel
+    "one_row": lambda b, s: torch.full((b, s), b * s == 1),
+    # a call of several slots is blocked differently from a call of one
+    "batch_size": lambda b, s: torch.full((b, s), b > 1),
+    # batch rows after the first take the remainder kernel
+    "batch_row": lambda b, s: (torch.arange(b) > 0)[:, None].expand(b, s),
+    # positions after the first take the remainder kernel
+    "position": lambda b, s: (torch.arange(s) > 0)[None].expand(b, s),
+}
+
+
+class RowPathLinear(nn.Linear):
+    """A linear layer computed by one of two kernels per row: the plain product, or one that
+    sums the reduction in blocks of BLOCK, rounding each (as a kernel blocking it otherwise
+    would).
+    `rule` says which rows of a call [B, S, in] take the second."""
+
+    def __init__(self, linear: nn.Linear, rule: Rule) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        self.load_state_dict(linear.state_dict())
+        self.rule = rule
+
+    def forward(self, x: Tensor) -> Tensor:
+        plain = F.linear(x, self.weight, self.bias)
+        parts = [F.linear(xs, ws) for xs, ws in zip(x.split(BLOCK, -1),
+                                                     self.weight.split(BLOCK, -1), strict=True)]
+        split = sum(parts[1:], parts[0] if self.bias is None else parts[0] + self.bias)
+        other = self.rule(x.shape[0], x.shape[1]).to(x.device)[..., None]  # [B, S, 1]
+        return torch.where(other, split, plain)
+
+
+@pytest.fixture(scope="module")
+def random_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights: near-ties everywhere, so that a row computed the other way changes
+    tokens (what shows that a wrong step shape would be caught)."""
+    path = tmp_path_factory.mktemp("rowpath")
+    write_checkpoint(path, "tiny-qwen3", seed=3)
+    return path
+
+
+def model_with(path: Path, rule: str | None) -> Transformer:
+    model = load_model(path, dtype=torch.bfloat16)  # where auto asks for exactness
+    if rule is not None:  # every layer's output projections
+        for layer in model.model.layers:
+            layer.mlp.down_proj = RowPathLinear(layer.mlp.down_proj, RULES[rule])
+            layer.self_attn.o_proj = RowPathLinear(layer.self_attn.o_proj, RULES[rule])
+    return model
+
+
+def engine_with(path: Path, rule: str | None, exact: bool | None = True) -> Engine:
+    engine = Engine(model_with(path, rule), Tokenizer.from_dir(path), max_seq_len=256,
+                    k_max=K_MAX, slots=SLOTS, exact=exact)
+    engine.calibrate()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def base(random_qwen3: Path) -> Invariance:
+    """What this CPU gives the model without the rule (every rule's decision adds to it)."""
+    model = model_with(random_qwen3, None)
+    model.fuse()
+    return probe(model, K_MAX + 1, SLOTS)
+
+
+def decide(path: Path, rule: str) -> Invariance:
+    model = model_with(path, rule)
+    model.fuse()
+    return probe(model, K_MAX + 1, SLOTS)
+
+
+def test_rows_that_differ_by_position_in_the_window_keep_no_shape(random_qwen3: Path) -> None:
+    inv = decide(random_qwen3, "position")
+    assert not inv.exact and inv.reason == BY_POSITION
+
+
+@pytest.mark.parametrize("rule", ["one_row", "batch_size", "batch_row"])
+def test_each_dependence_gets_a_shape_that_avoids_it(random_qwen3: Path, base: Invariance,
+                                                     rule: str) -> None:
+    inv = decide(random_qwen3, rule)
+    if not base.exact:  # this CPU keeps no shape for the model alone: nor with the rule
+        assert not inv.exact
+        return
+    assert inv.exact
+    if rule == "one_row":  # a plain step alone never runs one row
+        assert inv.min_width > 1 or not inv.batch_invariant
+    elif rule == "batch_size":  # every step runs all slots, in any order, or each alone
+        assert not inv.batch_invariant
+    else:  # every slot runs in a call of its own
+        assert not inv.batch_invariant and inv.alone
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(300, 500, (n,), generator=gen).tolist() for n in (40, 9, 23)]
+
+
+Output = tuple[list[int], list[float]]  # tokens, and the bits of their log-probabilities
+
+
+def outputs(engine: Engine) -> tuple[list[Output], list[Output], list[Output]]:
+    """Each prompt's plain decoding alone; the three speculative at every K alone; and the
+    three batched (different K, one plain)."""
+    def out(g: Generation) -> Output:
+        return g.tokens, g.logprobs
+
+    plain = [out(engine.generate(p, GenParams(24, speculative=False, stop_loops=False),
+                                 slot="alone")) for p in prompts()]
+    alone = [out(engine.generate(p, GenParams(24, k=k, stop_loops=False), slot="alone"))
+             for p in prompts() for k in (*range(1, K_MAX + 1), None)]
+    ks = (K_MAX, 0, None)
+    gens = [engine.start(p, GenParams(24, k=k, speculative=k != 0, stop_loops=False),
+                         slot=("batch", i))
+            for i, (p, k) in enumerate(zip(prompts(), ks, strict=True))]
+    while live := [g for g in gens if g.finish_reason is None]:
+        engine.step(live)
+    return plain, alone, [out(g) for g in gens]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["batch_size", "batch_row"])
+def test_the_engine_keeps_the_contract_in_the_probes_shape(random_qwen3: Path,
+                                                           base: Invariance, rule: str) -> None:
+    engine = engine_with(random_qwen3, rule, exact=None if not base.exact else True)
+    if not base.exact:
+        assert not engine.exact and engine.exactness.startswith("unavailable")
+        return
+    plain, alone, batched = outputs(engine)
+    assert alone == [t for t in plain for _ in range(K_MAX + 1)]
+    assert batched == plain
+    # The same engine in the cheapest shape: the rule changes the bits there (so the
+    # comparisons above can fail)
+    engine.invariance = Invariance.unconstrained()
+    assert outputs(engine)[2] != plain
+
+
+def test_exact_on_a_device_that_cannot_keep_it_is_refused_with_the_reason(
+        random_qwen3: Path) -> None:
+    with pytest.raises(ExactnessUnavailable, match="rows of one call differ by position"):
+        engine_with(random_qwen3, "position", exact=True)
+
+
+def test_auto_runs_without_the_promise_and_says_so(random_qwen3: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="ahead.engine"):
+        engine = engine_with(random_qwen3, "position", exact=None)
+    said = "exact: unavailable on this device (rows of one call differ by position)"
+    assert engine.exactness == said.removeprefix("exact: ")
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    assert not engine.exact and engine.invariance == Invariance.unconstrained()
+    assert LocalBackend(engine).status()["exact"] == engine.exactness
+    gen = engine.generate(prompts()[0], GenParams(8))  # and it decodes
+    assert len(gen.tokens) == 8
