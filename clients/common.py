@@ -47,6 +47,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"device": device, "dtype": dtype, "max_seq_len": args.max_seq_len or cfg.max_seq_len,
             "k_max": cfg.k_max if args.k_max is None else args.k_max,
             "slots": getattr(args, "slots", None) or cfg.slots,
+            "quant": getattr(args, "quant", None) or cfg.quant,
             **{name: switch(getattr(args, name, None) or getattr(cfg, name))
                for name in SWITCHES}}
 
@@ -66,6 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
     p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
+    p.add_argument("--quant", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of every matmul, bf16 activations; codes "
+                   "kept in ~/.cache/ahead/quant (default: the config's, else none)")
     for name, what in (("graphs", "replay the decode step as CUDA graphs"),
                        ("compile", "torch.compile the decode step"),
                        ("exact", "keep output bit-identical to plain decoding even where "
@@ -77,8 +81,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def serve_args(args: argparse.Namespace) -> list[str]:
     """The model flags given, passed on to a daemon this command starts."""
     out = []
-    for flag in ("model", "device", "dtype", "max_seq_len", "k_max", "graphs", "compile",
-                 "exact"):
+    for flag in ("model", "device", "dtype", "max_seq_len", "k_max", "quant", "graphs",
+                 "compile", "exact"):
         value = getattr(args, flag, None)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]

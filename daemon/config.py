@@ -3,6 +3,7 @@
     model = "/path/to/checkpoint"   # default: the bundled model
     device = "cuda"                  # default: cuda when available
     dtype = "bf16"                   # fp32 | bf16 | fp16
+    quant = "none"                   # weight-only quantization: none | int8 | int4
     idle_timeout = 1800              # seconds; 0 = never exit
     max_seq_len = 4096
     k_max = 8
@@ -55,6 +56,7 @@ def switch(value: str | None) -> bool | None:
 
 
 BACKENDS = ("local", "openai")
+QUANT_MODES = ("none", "int8", "int4")  # engine.model.quant.MODES (not imported: no torch)
 # Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
 MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.25
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
@@ -69,6 +71,7 @@ class Settings:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    quant: str = "none"
     idle_timeout: float = 1800.0
     max_seq_len: int = 4096
     k_max: int = 8
@@ -94,6 +97,8 @@ class Settings:
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ConfigFileError(f"{name} must be auto, on or off, not "
                                       f"{getattr(self, name)!r}")
+        if self.quant not in QUANT_MODES:
+            raise ConfigFileError(f"quant must be {', '.join(QUANT_MODES)}, not {self.quant!r}")
         if self.dtype not in (None, "fp32", "bf16", "fp16"):
             raise ConfigFileError(f"dtype must be fp32, bf16 or fp16, not {self.dtype!r}")
         for name in ("max_seq_len", "slots"):

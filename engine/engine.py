@@ -33,6 +33,7 @@ from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, probe
 from engine.generation import Generation, GenParams, Step
 from engine.model.hub import resolve_model
+from engine.model.quant import QuantCache, default_cache_root, quantize_model
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
@@ -49,9 +50,13 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, max_seq_len: int = 4096,
                  k_max: int = 8, slots: int = 4, compile: bool | None = None,
                  graphs: bool | None = None, exact: bool | None = None,
-                 fixed_shapes: bool | None = None) -> None:
+                 fixed_shapes: bool | None = None, quant: str = "none",
+                 quant_cache: QuantCache | None = None) -> None:
+        """`quant`: weight-only int8 or int4 for every matmul (engine/model/quant.py), with
+        codes kept in `quant_cache` when given."""
         self.model, self.tokenizer = model, tokenizer
         model.fuse()
+        quantize_model(model, quant, quant_cache)
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
@@ -102,12 +107,15 @@ class Engine:
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
              dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
-             exact: bool | None = None, fixed_shapes: bool | None = None) -> Engine:
+             exact: bool | None = None, fixed_shapes: bool | None = None,
+             quant: str = "none", quant_cache: Path | None = None) -> Engine:
+        """`quant_cache`: where quantized codes are kept (default ~/.cache/ahead/quant)."""
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         model = load_model(model_dir, device=device, dtype=dtype)
+        cache = QuantCache(quant_cache or default_cache_root(), Path(model_dir))
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
-                     fixed_shapes=fixed_shapes)
+                     fixed_shapes=fixed_shapes, quant=quant, quant_cache=cache)
         engine.model_dir = Path(model_dir)
         engine.calibrate()
         return engine

@@ -19,6 +19,7 @@ import torch
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
 from engine.model.config import PRESETS
+from engine.model.quant import packed_weights
 from engine.model.transformer import Transformer
 from engine.tokenizer import Tokenizer
 
@@ -27,7 +28,8 @@ Progress = Callable[[str], None]
 
 def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: int,
                   k_max: int, slots: int, compile: bool | None = None,
-                  graphs: bool | None = None, exact: bool | None = None) -> Engine:
+                  graphs: bool | None = None, exact: bool | None = None,
+                  quant: str = "none") -> Engine:
     """An engine on the preset's shapes with random weights (any tokenizer does: token ids
     past its vocabulary decode to nothing)."""
     if name not in PRESETS:
@@ -44,7 +46,7 @@ def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: in
         raise ValueError("the bundled model's tokenizer is missing from this install")
     tokenizer = Tokenizer.from_dir(bundled)
     engine = Engine(model, tokenizer, max_seq_len=max_seq_len, k_max=k_max, slots=slots,
-                    compile=compile, graphs=graphs, exact=exact)
+                    compile=compile, graphs=graphs, exact=exact, quant=quant)
     engine.calibrate()
     return engine
 
@@ -59,7 +61,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
     ks = ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]
     out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
-                           "exact": engine.exactness}
+                           "exact": engine.exactness, "quant": engine.model.quant}
     say("prefill")
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     say("plain decoding")
@@ -150,9 +152,14 @@ def _launches(engine: Engine, prompt: list[int], steps: int = 8) -> float:
 
 
 def _weight_bytes(model: Transformer) -> int:
-    """What one plain step reads: the trunk's weights and the head (not the MTP modules)."""
+    """What one plain step reads: the trunk's weights and the head (not the MTP modules);
+    quantized, their codes and scales (a tied embedding then serves lookups only)."""
     skip = {id(p) for p in model.mtp.parameters()}
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    packed = {name: w for name, w in packed_weights(model).items() if not name.startswith("mtp.")}
+    if packed and model.cfg.tie_word_embeddings:
+        skip.add(id(model.model.embed_tokens.weight))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip) \
+        + sum(w.nbytes() for w in packed.values())
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, reps: int = 5) -> float:
@@ -182,7 +189,8 @@ def format_report(r: dict[str, Any]) -> str:
     by_k = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["step_ms_by_k"].items())
     unit = "kernels" if r.get("device", "cpu").startswith("cuda") else "operators"
     lines = [
-        f"{r.get('preset', 'model')} on {r.get('device')} {r.get('dtype')}: context "
+        f"{r.get('preset', 'model')} on {r.get('device')} {r.get('dtype')} (quant "
+        f"{r.get('quant', 'none')}): context "
         f"{r['context']}, {r['new_tokens']} new tokens",
         f"prefill of {r['context']} tokens: {r['prefill_ms']:.1f} ms",
         f"plain decoding step: {r['ar_step_ms']:.2f} ms ({r['ar_tokens_per_s']:.1f} tokens/s)",

@@ -86,6 +86,7 @@ class LocalBackend:
                 "model_threads": torch.get_num_threads(),
                 "step": step_mode(self.engine),
                 "exact": self.engine.exactness,
+                "quant": self.engine.model.quant,
                 **self._memory(),
                 **self.engine.policy.report()}
 

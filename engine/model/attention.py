@@ -19,10 +19,12 @@ from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
 from engine.model.config import ModelConfig
-from engine.model.layers import apply_rope, fuse_linears, norm
+from engine.model.layers import Dense, apply_rope, fuse_linears, norm
 
 
 class Attention(nn.Module):
+    FUSED = ("q_proj", "k_proj", "v_proj")  # run as one matmul once fused
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -38,14 +40,14 @@ class Attention(nn.Module):
             self.q_norm = norm(cfg, hd)
             self.k_norm = norm(cfg, hd)
         self.qk_norm = cfg.qk_norm
-        self.fused: tuple[Tensor, Tensor | None] | None = None
+        self.fused: Dense | None = None
         # Cached forwards attend with `masked_attention` (rows invariant to the call's shape,
         # see above) unless the engine does not keep speculative output bit-identical.
         self.exact = True
 
     def fuse(self) -> None:
         """Q, K and V as one matmul (see `fuse_linears`)."""
-        self.fused = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], batch: CacheBatch | None = None,
                 cache: KVCache | None = None) -> Tensor:
@@ -54,8 +56,8 @@ class Attention(nn.Module):
         if self.fused is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = F.linear(x, *self.fused).split([hq * hd * (1 + self.gated), hkv * hd,
-                                                      hkv * hd], dim=-1)
+            q, k, v = self.fused(x).split([hq * hd * (1 + self.gated), hkv * hd, hkv * hd],
+                                          dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(bsz, seqlen, hq, 2 * hd).chunk(2, dim=-1)  # [B, S, H, D] each

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from engine.cache.kv import CacheBatch
 from engine.cache.state import StateCache
 from engine.model.config import ModelConfig
-from engine.model.layers import fuse_linears, same_path
+from engine.model.layers import Dense, fuse_linears, same_path
 
 CHUNK = 64
 
@@ -47,6 +47,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    FUSED = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # one matmul once fused
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_k_heads, self.num_v_heads = cfg.linear_num_k_heads, cfg.linear_num_v_heads
@@ -65,12 +67,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(0.01, 16).log())
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, cfg.hidden_size, bias=False)
-        self.fused: Tensor | None = None
+        self.fused: Dense | None = None
 
     def fuse(self) -> None:
         """The four input projections as one matmul (see `fuse_linears`)."""
-        self.fused, _ = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                     self.in_proj_a)
+        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
 
     def forward(self, x: Tensor, batch: CacheBatch | None = None,
                 cache: StateCache | None = None) -> Tensor:
@@ -79,7 +80,7 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                            self.in_proj_a))
         else:
-            qkv, z, b, a = F.linear(x, self.fused).split(
+            qkv, z, b, a = self.fused(x).split(
                 [self.conv_size, self.value_size, self.num_v_heads, self.num_v_heads], dim=-1)
         if cache is None:
             conv_state = x.new_zeros(bsz, self.conv_size, self.kernel - 1)

@@ -40,7 +40,20 @@ def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
     return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+class Dense:
+    """x W^T + b with the weight as it is: a fused projection, or what `engine.model.quant`
+    replaces with a quantized one (same call)."""
+
+    __slots__ = ("bias", "weight")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_linears(*linears: nn.Linear) -> Dense:
     """One weight (and bias) for several linear layers over the same input, so that they run
     as one matmul; the layers' own parameters become views into it (no memory is added, and
     loading, saving and training see them as before)."""
@@ -54,7 +67,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
             if bias is not None:
                 lin.bias.data = bias[start:end]
             start = end
-    return weight, bias
+    return Dense(weight, bias)
 
 
 SAME_PATH_ROW = 64  # elements: a whole number of any CPU's vectorised chunks (AVX-512 bf16: 64)
@@ -72,21 +85,23 @@ def same_path(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
+    FUSED = ("gate_proj", "up_proj")  # one matmul once fused
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.fused: tuple[Tensor, Tensor | None] | None = None
+        self.fused: Dense | None = None
 
     def fuse(self) -> None:
         """Gate and up as one matmul (see `fuse_linears`)."""
-        self.fused = fuse_linears(self.gate_proj, self.up_proj)
+        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self.fused).chunk(2, dim=-1)
+        gate, up = self.fused(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -42,6 +42,9 @@ class Transformer(nn.Module):
         # How full-attention blocks run: `run_block`, or one compiled copy of it for them all
         # (exec/compile.py); Gated DeltaNet blocks always run as they are.
         self.block_runner: Callable[..., Tensor] = run_block
+        # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
+        self.head_weight: Callable[[Tensor], Tensor] | None = None
+        self.quant = "none"
         self.apply(_init_weights)
 
     @property
@@ -49,6 +52,8 @@ class Transformer(nn.Module):
         return len(self.mtp)
 
     def head(self, h: Tensor) -> Tensor:
+        if self.head_weight is not None:  # quantized (engine/model/quant.py)
+            return self.head_weight(h)
         w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(h, w)
 

@@ -239,6 +239,9 @@ def _read_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[
 def save_model(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int | None = None,
                dtype: torch.dtype | None = None) -> None:
     """Write config.json and safetensors in HF layout (sharded with an index if asked)."""
+    if model.quant != "none":
+        raise CheckpointError(f"a {model.quant}-quantized model has dropped its full-precision "
+                              "weights: save the checkpoint it was loaded from instead")
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg

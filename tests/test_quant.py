@@ -1,0 +1,154 @@
+"""Weight-only int8 and int4 (engine/model/quant.py): codes within half a step of the weights,
+torch's kernels multiplying by exactly what the codes stand for, every matmul of trunk,
+modules and head quantized, the decoding contract kept in the quantized model, and codes
+read back from the disk cache instead of computed (a changed checkpoint gets new ones)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engine import Engine, GenParams
+from engine.model.quant import (
+    MODES,
+    Packed,
+    QuantCache,
+    QuantError,
+    decode,
+    encode,
+    packed_weights,
+    quantize_model,
+    targets,
+)
+from engine.model.weights import CheckpointError, load_model, save_model
+from tests.conftest import load_exact
+from tests.test_identity import run_batched
+from training.synthetic import write_checkpoint
+
+QUANTS = [m for m in MODES if m != "none"]
+
+
+@pytest.mark.parametrize("mode", QUANTS)
+@pytest.mark.parametrize("shape", [(200, 64), (384, 256), (48, 96)])
+def test_codes_are_within_half_a_step_and_the_kernel_multiplies_by_them(
+        mode: str, shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=gen) * 0.02
+    codes, scales, group = encode(w, mode)
+    back = decode(codes, scales, mode, group)
+    if mode == "int8":
+        step = w.abs().amax(1, keepdim=True) / 127
+    else:
+        g = w.view(shape[0], -1, group)
+        step = ((g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15).repeat_interleave(
+            group, dim=1).view(shape)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    bias = torch.randn(shape[0], generator=gen)
+    x = torch.randn(3, 5, shape[1], generator=gen)
+    got = Packed(mode, codes, scales, bias, group)(x)
+    want = F.linear(x.bfloat16().float(), back, bias)  # activations in bf16, as the kernels
+    assert got.shape == (3, 5, shape[0]) and got.dtype == x.dtype
+    assert torch.allclose(got, want, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("quant-qwen35")
+    write_checkpoint(path, "tiny-qwen3.5", train_steps=20, seed=0, mtp_naming="mtp")
+    return path
+
+
+@pytest.mark.parametrize("mode", QUANTS)
+def test_every_matmul_is_quantized_and_the_logits_stay_close(hybrid_dir: Path,
+                                                            mode: str) -> None:
+    model = load_model(hybrid_dir)
+    model.fuse()
+    names = set(targets(model))
+    tokens = torch.randint(300, 396, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ref, ref_mtp = model(tokens)
+    quantize_model(model, mode)
+    assert set(packed_weights(model)) == names and model.quant == mode
+    # trunk (attention, Gated DeltaNet, MLP), module and head
+    assert {"head", "mtp.0.eh_proj", "model.layers.0.linear_attn.fused",
+            "model.layers.3.self_attn.fused", "model.layers.3.mlp.down_proj"} <= names
+    with torch.inference_mode():
+        out, out_mtp = model(tokens)
+    # The trained chain: the greedy next token mostly unchanged.
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert (out_mtp[0].argmax(-1) == ref_mtp[0].argmax(-1)).float().mean() > 0.8
+    with pytest.raises(CheckpointError, match="quantized"):
+        save_model(model, hybrid_dir / "nope")
+
+
+def test_an_unknown_mode_is_refused(hybrid_dir: Path) -> None:
+    with pytest.raises(QuantError, match="none, int8, int4, not 'int3'"):
+        quantize_model(load_model(hybrid_dir), "int3")
+
+
+@pytest.mark.parametrize("mode", QUANTS)
+def test_quantized_speculative_output_is_its_plain_decoding(hybrid_dir: Path, tmp_path: Path,
+                                                            mode: str) -> None:
+    engine = load_exact(hybrid_dir, dtype=torch.bfloat16, max_seq_len=256, k_max=4, slots=3,
+                        quant=mode, quant_cache=tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(300, 396, (n,), generator=gen).tolist() for n in (9, 70, 23)]
+    plain = [engine.generate(p, GenParams(30, speculative=False, stop_loops=False),
+                             slot="alone").tokens for p in prompts]
+    for k in (1, 4, None):
+        assert engine.generate(prompts[0], GenParams(30, k=k, stop_loops=False)).tokens \
+            == plain[0], f"k={k}"
+    params = [GenParams(30, k=k, speculative=k != 0, stop_loops=False) for k in (4, 0, None)]
+    assert run_batched(engine, prompts, params) == plain
+
+
+def test_codes_come_back_from_the_cache_and_a_changed_checkpoint_gets_new_ones(
+        tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    write_checkpoint(model_dir, "tiny-qwen3", seed=4)
+    cache_root = tmp_path / "cache"
+    first = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
+    cache = QuantCache(cache_root, model_dir)
+    path = cache.path("int4")
+    assert path.is_file()
+    # Change the stored codes of the head: a load that reads the cache multiplies by them.
+    stored = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    stored["head.codes"] = torch.zeros_like(stored["head.codes"]) + 0x88  # both nibbles 8
+    save_file(stored, str(path), metadata=metadata)
+    second = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
+    head = packed_weights(second.model)["head"]
+    assert torch.equal(head.codes, stored["head.codes"])
+    assert not torch.equal(head.codes, packed_weights(first.model)["head"].codes)
+    # A checkpoint whose files changed is another checkpoint: its codes are computed anew.
+    weights = model_dir / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    third = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
+    assert torch.equal(packed_weights(third.model)["head"].codes,
+                       packed_weights(first.model)["head"].codes)
+    assert len(list(cache_root.glob("*-int4-*.safetensors"))) == 2
+
+
+def test_the_cli_runs_a_quantized_model_and_status_names_it(trained_dir: Path,
+                                                            tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "clients.cli", "generate", "--model",
+                           str(trained_dir), "def add(a, b):", "--max-tokens", "8",
+                           "--no-daemon", "--raw", "--quant", "int8"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("def add(a, b):")
+    assert list((tmp_path / "ahead" / "quant").glob("*-int8-*.safetensors"))
+    bad = subprocess.run([sys.executable, "-m", "clients.cli", "generate", "--model",
+                          str(trained_dir), "x", "--no-daemon", "--quant", "int3"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "int3" in bad.stderr
