@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Engine": "engine.engine",
-    "ExactnessUnavailable": "engine.engine",
+    "ExactnessUnavailable": "engine.exec.invariance",
     "GenParams": "engine.generation",
     "Generation": "engine.generation",
     "Step": "engine.generation",
@@ -47,7 +47,8 @@ __all__ = [
 if TYPE_CHECKING:  # what the lazy imports below give, for type checkers
     from engine.bundled import bundled_model_dir
     from engine.cache.slots import ContextOverflow
-    from engine.engine import Engine, ExactnessUnavailable
+    from engine.engine import Engine
+    from engine.exec.invariance import ExactnessUnavailable
     from engine.generation import Generation, GenParams, Stats, Step
     from engine.model.config import ConfigError
     from engine.model.weights import CheckpointError

@@ -10,7 +10,6 @@ and the host reads the result once.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
@@ -21,29 +20,25 @@ import torch
 from engine import prompt as recipe
 from engine.cache.kv import span_of
 from engine.cache.slots import Caches, Slot, SlotTable
-from engine.decode.costs import measure_costs, row_buckets
 from engine.decode.draft import catch_up, draft_chain
 from engine.decode.policy import KPolicy
 from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
 from engine.decode.sampling import RowSampling
 from engine.decode.state import DecodeState
 from engine.decode.step import Shape, decode_step, unpack, unpack_logprobs
+from engine.exec.calibration import CalibrationStore, calibrate
 from engine.exec.compile import step_fns
 from engine.exec.graphs import StepGraphs
-from engine.exec.invariance import Invariance, probe
+from engine.exec.invariance import Invariance, promised
 from engine.generation import Generation, GenParams, Step
 from engine.model.hub import resolve_model
-from engine.model.quant import QuantCache, default_cache_root, quantize_model
+from engine.model.quant import QuantCache, quantize_model
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
+from engine.paths import cache_dir
 from engine.tokenizer import Tokenizer
 
-log = logging.getLogger("ahead.engine")
 PROMPT_SPARE = 4  # tokens a prompt leaves beyond the answer and a verify pass: markers, slack
-
-
-class ExactnessUnavailable(ValueError):
-    """Exact decoding was asked for on a device whose rows differ in every step shape."""
 
 
 class Engine:
@@ -51,10 +46,12 @@ class Engine:
                  k_max: int = 8, slots: int = 4, compile: bool | None = None,
                  graphs: bool | None = None, exact: bool | None = None,
                  fixed_shapes: bool | None = None, quant: str = "none",
-                 quant_cache: QuantCache | None = None) -> None:
-        """`quant`: weight-only int8 or int4 for every matmul (engine/model/quant.py), with
-        codes kept in `quant_cache` when given."""
+                 quant_cache: QuantCache | None = None, calibration: CalibrationStore | None = None
+                 ) -> None:
+        """`quant`: weight-only int8 or int4 for every matmul (model/quant.py), its codes kept
+        in `quant_cache`; `calibration`: where `calibrate()` keeps what it measures."""
         self.model, self.tokenizer = model, tokenizer
+        self.calibration = calibration
         model.fuse()
         quantize_model(model, quant, quant_cache)
         weight = model.model.embed_tokens.weight
@@ -67,14 +64,12 @@ class Engine:
         # exec/invariance.py): the safe choice until `calibrate()` measures the device.
         self.invariance = Invariance(self.width, batch_invariant=False, key_invariant=False)
         # Whether to pay for that where it costs: in fp32 on the CPU (a one-row matmul rounds
-        # unlike a many-row one; padding plain steps to 4 rows costs 30%) speed wins by default,
-        # and output may differ from plain decoding at near-ties (a few in a thousand prompts).
-        # None (auto) gives up the promise where the device cannot keep it; True refuses to.
+        # unlike a many-row one) speed wins by default, and output may differ from plain
+        # decoding at near-ties. Auto gives it up where the device cannot keep it; True refuses.
         self.exact_asked = exact
         self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
             if exact is None else exact
-        self.exactness = "on" if self.exact else (
-            "off" if exact is False else "off (auto: fp32 on the CPU, where it costs)")
+        self.exactness = promised(exact, self.exact)  # what `ahead status` says of it
         # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
                              widest=self.width)
@@ -109,13 +104,18 @@ class Engine:
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
              exact: bool | None = None, fixed_shapes: bool | None = None,
              quant: str = "none", quant_cache: Path | None = None) -> Engine:
-        """`quant_cache`: where quantized codes are kept (default ~/.cache/ahead/quant)."""
+        """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it)."""
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         model = load_model(model_dir, device=device, dtype=dtype)
-        cache = QuantCache(quant_cache or default_cache_root(), Path(model_dir))
+        root = quant_cache.parent if quant_cache else cache_dir("")
+        store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
+                                               quant=quant, slots=slots, k_max=k_max,
+                                               max_seq_len=max_seq_len, exact=exact,
+                                               fixed_shapes=fixed_shapes)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
-                     fixed_shapes=fixed_shapes, quant=quant, quant_cache=cache)
+                     fixed_shapes=fixed_shapes, quant=quant, calibration=store,
+                     quant_cache=QuantCache(quant_cache or cache_dir("quant"), Path(model_dir)))
         engine.model_dir = Path(model_dir)
         engine.calibrate()
         return engine
@@ -138,17 +138,11 @@ class Engine:
 
     def tokens_starting_with(self, text: str) -> torch.Tensor | None:
         """A mask of the vocabulary's tokens whose text starts with `text` (None for "")."""
-        if not text:
-            return None
-        if text not in self._masks:
-            known = min(vocab := self.model.cfg.vocab_size, self.tokenizer.vocab_size)
-            texts = [self.tokenizer.decode([i]) for i in range(known)]
-            mask = torch.zeros(vocab, dtype=torch.bool)
-            mask[[i for i, t in enumerate(texts) if t.startswith(text)]] = True
-            if not mask.any():
-                raise ValueError(f"no token starts with {text!r}")
+        if text and text not in self._masks:
+            mask = torch.zeros(vocab := self.model.cfg.vocab_size, dtype=torch.bool)
+            mask[[i for i in self.tokenizer.ids_starting_with(text) if i < vocab]] = True
             self._masks[text] = mask.to(self.device)
-        return self._masks[text]
+        return self._masks[text] if text else None
 
     # Generations
 
@@ -235,13 +229,13 @@ class Engine:
                 for s, g in zip(slots, gens, strict=True)]
         reused = prefill(self.model, self.caches, rows, spare=self.k_max + 2)
         index = [s.index for s in slots]
-        self._set_sampling(index, gens)
+        self.state.set_rows(index, temperature=[g.sampling.temperature for g in gens],
+                            top_p=[g.sampling.top_p for g in gens],
+                            seed=[g.sampling.seed for g in gens])
         if not restore:
-            sampling = self._sampling(index, gens)
-            allowed = self._allowed(gens)
-            for g, (tok, logp) in zip(gens, first_tokens(self.model, self.caches, rows,
-                                                         sampling, allowed).tolist(),
-                                      strict=True):
+            picked = first_tokens(self.model, self.caches, rows, self._sampling(index, gens),
+                                  self._allowed(gens))
+            for g, (tok, logp) in zip(gens, picked.tolist(), strict=True):
                 g.sequence.append(int(tok))
                 g.first_logprob = logp
         self.state.set_rows(index, lengths=[s.length for s in slots],
@@ -377,11 +371,6 @@ class Engine:
             self.state.chain_accept.copy_(torch.tensor(accept))
             self.state.chain_limit.copy_(torch.tensor([rate * u for u in unit]))
 
-    def _set_sampling(self, index: list[int], gens: list[Generation]) -> None:
-        self.state.set_rows(index, temperature=[g.sampling.temperature for g in gens],
-                            top_p=[g.sampling.top_p for g in gens],
-                            seed=[g.sampling.seed for g in gens])
-
     def _sampling(self, index: list[int], gens: list[Generation]) -> RowSampling:
         rows = torch.tensor(index, device=self.device)
         return RowSampling(self.state.temperature[rows], self.state.top_p[rows],
@@ -395,45 +384,15 @@ class Engine:
         every = torch.ones(self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
         return torch.stack([every if m is None else m for m in masks])
 
-    def _without_exactness(self, reason: str) -> None:
-        """The device cannot keep rows bit-identical to plain decoding in any step shape:
-        refuse if that was asked for, else run without the promise and say so once."""
-        if self.exact_asked:
-            raise ExactnessUnavailable(
-                f"exact decoding is unavailable on this device ({reason}): speculative output "
-                "could differ from plain decoding at near-ties; set exact = \"auto\" or "
-                "\"off\" to run without that promise")
-        self.exact, self.invariance = False, Invariance.unconstrained()
-        self.exactness = f"unavailable on this device ({reason})"
-        log.warning("exact: %s; output may differ from plain decoding at near-ties",
-                    self.exactness)
-        if self.static and self.device.type == "cpu":  # compiled whole only for exactness
-            self.static, self.early_exit = False, True
-            self.fns = step_fns(self.model, self.compiled, False)
-        self.model.set_exact(self.static)
-
-    # Step costs
-
     def calibrate(self) -> None:
         """Measure on this device which step shapes keep rows bit-identical, then the step
-        cost of every K for the K policy."""
-        self.invariance = probe(self.model, self.width, self.max_slots) if self.exact \
-            else Invariance.unconstrained()
-        if not self.invariance.exact:
-            self._without_exactness(self.invariance.reason or "")
-        try:
-            costs = measure_costs(self, self.model.cfg.vocab_size, row_buckets(self.max_slots))
-        except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
-            if not (self.static or self.compiled):
-                raise
-            log.warning("compiled or captured steps failed (%s: %s); running eager",
-                        type(e).__name__, e)
-            self.graphs = self.compiled = self.static = False
-            self._graphed, self.early_exit = None, True
-            self.fns = step_fns(self.model, False, False)
-            self.model.set_exact(self.exact)
-            costs = measure_costs(self, self.model.cfg.vocab_size, row_buckets(self.max_slots))
-        self.policy.set_costs(costs)
-        if self.static:  # compile or capture the adaptive step too, before any request
-            self.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))
-            self.clear_cache(("ahead", "warm"))
+        cost of every K for the K policy (or read both from the calibration store)."""
+        calibrate(self)
+
+    def reshape_step(self, *, compiled: bool, static: bool) -> None:
+        """Run the step otherwise after a fallback at load (graphs only in a fixed shape)."""
+        self.compiled, self.static, self.early_exit = compiled, static, not static
+        self.graphs = self.graphs and static
+        self._graphed = self._graphed if self.graphs else None
+        self.fns = step_fns(self.model, compiled, static)
+        self.model.set_exact(self.exact or static)

@@ -104,6 +104,17 @@ class Tokenizer:
         """Token ids of `text`; special-token strings in it become the special ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def ids_starting_with(self, text: str) -> list[int]:
+        """The ids whose text starts with `text` (token healing's choices)."""
+        ids = [i for i, t in enumerate(self._token_texts) if t.startswith(text)]
+        if not ids:
+            raise ValueError(f"no token starts with {text!r}")
+        return ids
+
+    @cached_property
+    def _token_texts(self) -> list[str]:
+        return [self.decode([i]) for i in range(self.vocab_size)]
+
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 

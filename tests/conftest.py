@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,13 @@ from training.synthetic import write_checkpoint
 
 # Token ids the synthetic chain is trained on (see engine/synthetic.py).
 CHAIN_VOCAB = range(300, 396)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Quantized codes and calibrations (~/.cache/ahead) in a directory of the run's own:
+    nothing measured by an earlier run, or by another checkout, is read back."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
 
 
 def load_exact(path: Path, **kw: object) -> Engine:

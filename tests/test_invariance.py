@@ -7,6 +7,7 @@ and running without the promise under auto, saying so."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,3 +181,26 @@ def test_auto_runs_without_the_promise_and_says_so(random_qwen3: Path,
     assert LocalBackend(engine).status()["exact"] == engine.exactness
     gen = engine.generate(prompts()[0], GenParams(8))  # and it decodes
     assert len(gen.tokens) == 8
+
+
+def test_a_second_load_reads_the_calibration_and_other_settings_measure_afresh(
+        tmp_path: Path) -> None:
+    model_dir, cache = tmp_path / "model", tmp_path / "cache" / "quant"
+    write_checkpoint(model_dir, "tiny-qwen3", seed=5)
+    first = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=128, k_max=3, slots=2,
+                        quant_cache=cache)
+    entries = list((cache.parent / "calibration").glob("*.json"))
+    assert len(entries) == 1 and first.invariance.exact
+    # Another invariance and other costs in the entry: a load that reads it takes them.
+    stored = json.loads(entries[0].read_text())
+    stored["invariance"] |= {"min_width": 3, "batch_invariant": False}
+    stored["costs"] = {r: [0.5 + k for k in range(4)] for r in stored["costs"]}
+    entries[0].write_text(json.dumps(stored))
+    second = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=128, k_max=3, slots=2,
+                         quant_cache=cache)
+    assert (second.invariance.min_width, second.invariance.batch_invariant) == (3, False)
+    assert second.policy.cost(2) == 2.5
+    third = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=128, k_max=3, slots=1,
+                        quant_cache=cache)  # another number of slots: measured, and kept
+    assert third.invariance.exact and third.policy.cost(2) != 2.5
+    assert len(list((cache.parent / "calibration").glob("*.json"))) == 2

@@ -65,7 +65,7 @@ class Invariance:
 
 
 @torch.inference_mode()
-def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 300,
+def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 64,
           seed: int = 0) -> Invariance:
     cfg = model.cfg
     # Slot max_batch decodes alone; room past the windows, so that a bucket of keys is not
@@ -133,6 +133,25 @@ def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 300,
     # The fewest rows a lone slot's plain step runs (the common case: one editor, one slot
     # live); then bucketed keys; then one call for all slots.
     return min(found, key=lambda f: f[:3])[3]
+
+
+class ExactnessUnavailable(ValueError):
+    """Exact decoding was asked for on a device whose rows differ in every step shape."""
+
+
+def promised(asked: bool | None, exact: bool, reason: str | None = None) -> str:
+    """What the engine says of exactness (`ahead status`, the benches): asked for (True),
+    refused (False) or left to auto (None); whether it holds; why not, where it cannot."""
+    if reason is not None:
+        if asked:
+            raise ExactnessUnavailable(
+                f"exact decoding is unavailable on this device ({reason}): speculative output "
+                "could differ from plain decoding at near-ties; set exact = \"auto\" or "
+                "\"off\" to run without that promise")
+        return f"unavailable on this device ({reason})"
+    if exact:
+        return "on"
+    return "off" if asked is False else "off (auto: fp32 on the CPU, where it costs)"
 
 
 def _none(width: int, reason: str) -> Invariance:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from engine.model.layers import Dense
 from engine.model.transformer import Transformer
+from engine.paths import checkpoint_identity
 
 MODES = ("none", "int8", "int4")
 GROUP = 128
@@ -219,20 +220,12 @@ def _install(model: Transformer, owner: nn.Module, attr: str, packed: Packed) ->
         setattr(owner, attr, QuantLinear(packed))
 
 
-def default_cache_root() -> Path:
-    """$XDG_CACHE_HOME/ahead/quant (~/.cache/ahead/quant)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ahead" / "quant"
-
-
 class QuantCache:
     """Codes of one checkpoint's quantized weights on disk (see the module's docstring)."""
 
     def __init__(self, root: Path, model_dir: Path) -> None:
-        files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
-        identity = [str(Path(model_dir).resolve())] + [
-            f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-        self.key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:24]
+        identity = checkpoint_identity(model_dir)
+        self.key = hashlib.sha256(identity.encode()).hexdigest()[:24]
         self.root = root
 
     def path(self, mode: str) -> Path:

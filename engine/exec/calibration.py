@@ -1,0 +1,149 @@
+"""`Engine.calibrate`: the step shapes that keep rows exact (exec/invariance.py) and the step
+cost of every K (decode/costs.py), measured at load or read from disk; and what follows when
+the device keeps no shape exact or a compiled step fails.
+
+Measuring takes seconds on a small model and minutes on a 2B one on a CPU (hundreds of
+steps), so a daemon restarted on the same model would pay for it each time. An entry is
+named by everything the figures depend on: the checkpoint (its files' names, sizes and
+modification times, or a preset's shapes), the device (the CPU's model name and flags, or
+the GPU's name), torch's version, the dtype, the quantization, the threads, the slots, k_max,
+the context and whether exactness was asked for. Anything else measures afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from collections.abc import Hashable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from engine.decode.costs import Stepper, measure_costs, row_buckets
+from engine.decode.policy import KPolicy
+from engine.exec.invariance import Invariance, probe, promised
+from engine.generation import GenParams
+from engine.model.transformer import Transformer
+from engine.paths import checkpoint_identity
+
+log = logging.getLogger("ahead.engine")
+
+VERSION = 1  # of what is measured and how: a change makes every entry stale
+
+
+def device_identity(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    cpu = platform.processor()
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((ln for ln in info if ln.startswith("model name")), cpu) + \
+            next((ln for ln in info if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    return f"cpu:{cpu}"
+
+
+class CalibrationStore:
+    def __init__(self, root: Path, **identity: object) -> None:
+        """`identity`: what the figures depend on (see the module's docstring)."""
+        text = json.dumps({**identity, "torch": torch.__version__, "version": VERSION},
+                          sort_keys=True,
+                          default=str)
+        self.path = root / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+
+    @classmethod
+    def of_checkpoint(cls, root: Path, model_dir: Path, model: Transformer,
+                      **settings: object) -> CalibrationStore:
+        """The entry of a checkpoint loaded with these engine settings on this machine."""
+        weight = model.model.embed_tokens.weight
+        return cls(root, model=checkpoint_identity(model_dir),
+                   device=device_identity(weight.device), dtype=weight.dtype,
+                   threads=torch.get_num_threads(), **settings)
+
+    def read(self) -> tuple[Invariance, dict[int, list[float]]] | None:
+        try:
+            entry = json.loads(self.path.read_text())
+            costs = {int(r): [float(c) for c in curve] for r, curve in entry["costs"].items()}
+            return Invariance(**entry["invariance"]), costs
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # absent or unreadable: measured again, and written anew
+
+    def write(self, invariance: Invariance, costs: dict[int, list[float]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"invariance": asdict(invariance),
+                                   "costs": {str(r): c for r, c in costs.items()}}))
+        os.replace(tmp, self.path)
+
+
+class Calibrating(Stepper, Protocol):
+    """What calibrating needs of an `Engine`."""
+
+    model: Transformer
+    calibration: CalibrationStore | None
+    policy: KPolicy
+    device: torch.device
+    width: int
+    max_slots: int
+    invariance: Invariance
+    exact: bool
+    exact_asked: bool | None
+    exactness: str
+    compiled: bool
+    graphs: bool
+    static: bool
+
+    def reshape_step(self, *, compiled: bool, static: bool) -> None: ...
+    def generate(self, prompt: list[int], params: GenParams | None = None, *,
+                 slot: Hashable = None) -> object: ...
+
+
+def calibrate(engine: Calibrating) -> None:
+    """See `Engine.calibrate`. Compiled and captured steps are measured every time: measuring
+    is also their warm-up."""
+    eager = not (engine.compiled or engine.graphs)
+    stored = engine.calibration.read() if engine.calibration and eager else None
+    found = stored[0] if stored else probe(engine.model, engine.width, engine.max_slots) \
+        if engine.exact else Invariance.unconstrained()
+    engine.invariance = found
+    if not found.exact:
+        _without_exactness(engine, found.reason or "")
+    costs = stored[1] if stored else _measure(engine)
+    engine.policy.set_costs(costs)
+    if engine.calibration and eager and not stored:
+        engine.calibration.write(found, costs)
+    if engine.static:  # compile or capture the adaptive step too, before any request
+        engine.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))
+        engine.clear_cache(("ahead", "warm"))
+
+
+def _without_exactness(engine: Calibrating, reason: str) -> None:
+    """No step shape keeps rows bit-identical to plain decoding: refuse if that was asked for,
+    else run without the promise (in the cheapest shapes) and say so once."""
+    engine.exactness = promised(engine.exact_asked, True, reason)
+    engine.exact, engine.invariance = False, Invariance.unconstrained()
+    log.warning("exact: %s; output may differ from plain decoding at near-ties",
+                engine.exactness)
+    cpu = engine.device.type == "cpu"  # compiled in one shape there only for exactness
+    engine.reshape_step(compiled=engine.compiled, static=engine.static and not cpu)
+
+
+def _measure(engine: Calibrating) -> dict[int, list[float]]:
+    """The step cost curves; a compiled or captured step that fails here falls back to eager
+    steps."""
+    vocab, rows = engine.model.cfg.vocab_size, row_buckets(engine.max_slots)
+    try:
+        return measure_costs(engine, vocab, rows)
+    except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
+        if not (engine.static or engine.compiled):
+            raise
+        log.warning("compiled or captured steps failed (%s: %s); running eager",
+                    type(e).__name__, e)
+        engine.reshape_step(compiled=False, static=False)
+        return measure_costs(engine, vocab, rows)
