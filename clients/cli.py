@@ -25,7 +25,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
     from training.corpus import heldout_stdlib_files
 
-    if args.preset or args.slots > 1 or args.context:
+    if args.preset or args.slots > 1 or args.context or args.synthetic_acceptance:
         return _bench_steps(args)
     engine = load_engine(args)
     files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
@@ -82,13 +82,22 @@ def _bench_steps(args: argparse.Namespace) -> int:
         engine = load_engine(args)
         name = str(model_dir(args))
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
+    synthetic = None
+    if args.synthetic_acceptance:
+        try:
+            synthetic = [float(p) for p in args.synthetic_acceptance.split(",")]
+        except ValueError:
+            synthetic = None
+        if synthetic is None or not all(0 <= p <= 1 for p in synthetic):
+            raise CliError("--synthetic-acceptance takes probabilities in [0, 1], "
+                           f"comma-separated, not {args.synthetic_acceptance!r}")
 
     def progress(what: str) -> None:
         print(f"bench: {what}", file=sys.stderr, flush=True)
 
     result = bench_steps(engine, context=args.context or 2000,
                          new_tokens=args.max_new_tokens, ks=ks, slots=args.slots,
-                         progress=progress)
+                         synthetic=synthetic, progress=progress)
     result |= {"preset": name, "device": str(engine.device),
                "dtype": str(engine.dtype).removeprefix("torch."),
                "graphs": engine.graphs, "compiled": engine.compiled}
@@ -298,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "plain decoding (step timings mode)")
     eng.add_argument("--context", type=int, help="prompt tokens in step timings mode "
                      "(default 2000)")
+    eng.add_argument("--synthetic-acceptance", metavar="P1,P2,...",
+                     help="step timings mode: keep the draft at position i with probability "
+                     "Pi whatever the model says (as llama-server's --spec-synth-rates), to "
+                     "time speculation on random weights; output is not the model's")
     eng.add_argument("--peer", metavar="LLAMA_SERVER",
                      help="also decode every prompt with this llama-server binary, greedy, "
                      "on as many threads (needs --peer-model)")

@@ -34,6 +34,19 @@ def accept(drafts: Tensor, logits: Tensor, nd: Tensor, q: Tensor | None, samplin
     return torch.where(greedy[:, None], tokens, s_tokens), torch.where(greedy, n, s_n)
 
 
+def accept_synthetic(drafts: Tensor, target: Tensor, nd: Tensor, rates: Tensor, seed: Tensor,
+                     pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Benchmarks only, not lossless: draft i is kept with probability rates[i] whatever the
+    target says (llama.cpp's --spec-synth-rates), so that speculative speed can be measured
+    on random weights at a chosen acceptance. target [B, K+1] as `accept_greedy` gives it."""
+    k = drafts.shape[-1]
+    real = torch.arange(k, device=drafts.device) < nd[:, None]
+    u = uniform(seed[:, None], pos[:, :k], ACCEPT)
+    n = ((u < rates[:k]) & real).int().cumprod(-1).sum(-1)
+    kept = torch.arange(k + 1, device=drafts.device) < n[:, None]
+    return torch.where(kept, torch.cat([drafts, target[:, k:]], dim=-1), target), n
+
+
 def accept_greedy(drafts: Tensor, logits: Tensor, nd: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy verification: d_i is kept while it equals argmax p_i (and i <= nd)."""
     target = logits.argmax(dim=-1)  # [B, K+1]

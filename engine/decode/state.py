@@ -42,6 +42,9 @@ class DecodeState:
         self.chain_accept = zeros(k, CONFIDENCE_BINS, dtype=torch.float32)
         self.chain_limit = zeros(k + 1, dtype=torch.float32)
         self.draft_index = torch.arange(k + 1, device=device)  # j as a tensor, made once
+        # Benchmarks only (`ahead bench engine --synthetic-acceptance`): per draft position,
+        # the probability of keeping the draft, in place of the acceptance rule.
+        self.synthetic: torch.Tensor | None = None
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: value for name, value in vars(self).items()

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
-from engine.decode.accept import accept
+from engine.decode.accept import accept, accept_synthetic
 from engine.decode.draft import DraftFn, draft_chain, draft_one
 from engine.decode.quality import token_logprobs
 from engine.decode.sampling import RowSampling
@@ -96,6 +96,9 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     logits = model.head(h)  # [B, W, V]
     out, n = accept(tokens[:, 1:], logits, state.num_drafts[slots], q,
                     row_sampling(state, slots, shape), pos + 1)
+    if state.synthetic is not None:  # a benchmark's chosen acceptance
+        out, n = accept_synthetic(tokens[:, 1:], out, state.num_drafts[slots], state.synthetic,
+                                  state.seed[slots], pos + 1)
     logp = token_logprobs(logits, out)
     pending = out.gather(1, n[:, None])  # [B, 1]: the target's own token
     caches.commit(slots, n)  # recurrent layers: the state after the last kept position

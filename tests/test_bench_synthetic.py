@@ -1,0 +1,43 @@
+"""`ahead bench engine --synthetic-acceptance`: drafts kept with the chosen probability per
+position whatever the model says (random weights accept nothing), so that speculative speed
+on real shapes can be timed as llama-server's --spec-synth-rates times it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from engine import Engine, GenParams
+
+
+def test_rates_of_one_keep_every_draft_and_zero_none(random_dir: Path) -> None:
+    engine = Engine.load(random_dir, max_seq_len=256, k_max=4, slots=1)
+    prompt = list(range(300, 340))
+    kept = {}
+    for rate in (1.0, 0.0):
+        engine.state.synthetic = torch.full((4,), rate)
+        gen = engine.generate(prompt, GenParams(40, k=3, stop_loops=False))
+        kept[rate] = (gen.stats.accepted, gen.stats.drafted)
+    assert kept[1.0][0] == kept[1.0][1] > 0 and kept[0.0][0] == 0 < kept[0.0][1]
+
+
+def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
+                           "tiny-qwen3", "--synthetic-acceptance", "1,1", "--ks", "1,2",
+                           "--context", "64", "--max-new-tokens", "25", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert set(r["tokens_per_s_by_k"]) == {"1", "2"} and r["identical_to_ar"] is None
+    assert r["synthetic_acceptance"] == [1.0, 1.0]
+    # every draft kept: K=2 makes 3 tokens a step for well under 2 plain steps' time
+    assert r["tokens_per_s_by_k"]["2"] > 1.3 * r["ar_tokens_per_s"]
+    bad = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
+                          "tiny-qwen3", "--synthetic-acceptance", "0.9,1.5"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "[0, 1]" in bad.stderr
