@@ -3,7 +3,7 @@
     model = "/path/to/checkpoint"   # default: the bundled model
     device = "cuda"                  # default: cuda when available
     dtype = "bf16"                   # fp32 | bf16 | fp16
-    quant = "none"                   # weight-only quantization: none | int8 | int4
+    quant = "none"                   # none | int8 | int4 (weights) | int8dyn (and activations)
     idle_timeout = 1800              # seconds; 0 = never exit
     max_seq_len = 4096
     k_max = 8
@@ -56,7 +56,7 @@ def switch(value: str | None) -> bool | None:
 
 
 BACKENDS = ("local", "openai")
-QUANT_MODES = ("none", "int8", "int4")  # engine.model.quant.MODES (not imported: no torch)
+QUANT_MODES = ("none", "int8", "int4", "int8dyn")  # engine.model.quant.MODES, torch-free
 # Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
 MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.25
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")

@@ -1,4 +1,5 @@
-"""Weight-only int8 and int4 (engine/model/quant.py): codes within half a step of the weights,
+"""Quantized matmuls (engine/model/quant.py): int8 and int4 weights, and int8 weights with int8
+activations (int8dyn): codes within half a step of the weights,
 torch's kernels multiplying by exactly what the codes stand for, every matmul of trunk,
 modules and head quantized, the decoding contract kept in the quantized model, and codes
 read back from the disk cache instead of computed (a changed checkpoint gets new ones)."""
@@ -44,7 +45,7 @@ def test_codes_are_within_half_a_step_and_the_kernel_multiplies_by_them(
     w = torch.randn(shape, generator=gen) * 0.02
     codes, scales, group = encode(w, mode)
     back = decode(codes, scales, mode, group)
-    if mode == "int8":
+    if mode != "int4":
         step = w.abs().amax(1, keepdim=True) / 127
     else:
         g = w.view(shape[0], -1, group)
@@ -54,7 +55,8 @@ def test_codes_are_within_half_a_step_and_the_kernel_multiplies_by_them(
     bias = torch.randn(shape[0], generator=gen)
     x = torch.randn(3, 5, shape[1], generator=gen)
     got = Packed(mode, codes, scales, bias, group)(x)
-    want = F.linear(x.bfloat16().float(), back, bias)  # activations in bf16, as the kernels
+    # activations in bf16 (int8dyn: int8 per row), as the kernels take them
+    want = F.linear(x.bfloat16().float(), back, bias)
     assert got.shape == (3, 5, shape[0]) and got.dtype == x.dtype
     assert torch.allclose(got, want, atol=2e-2 * want.abs().max().item())
 
@@ -90,7 +92,7 @@ def test_every_matmul_is_quantized_and_the_logits_stay_close(hybrid_dir: Path,
 
 
 def test_an_unknown_mode_is_refused(hybrid_dir: Path) -> None:
-    with pytest.raises(QuantError, match="none, int8, int4, not 'int3'"):
+    with pytest.raises(QuantError, match="none, int8, int4, int8dyn, not 'int3'"):
         quantize_model(load_model(hybrid_dir), "int3")
 
 

@@ -8,12 +8,17 @@ quarter of fp32, int4 an eighth (plus its scales). The products are torch's own 
 - int8: `aten._weight_int8pack_mm` (CPU; one row at a time, so a row's bits never depend on
   the rows beside it);
 - int4: `aten._weight_int4pack_mm_for_cpu` on the CPU, `aten._weight_int4pack_mm` (tinygemm)
-  on CUDA, groups of 128 inputs (64 or 32 where a layer is narrower).
+  on CUDA, groups of 128 inputs (64 or 32 where a layer is narrower);
+- int8dyn: int8 weights and int8 activations (one scale per row, computed as it runs) with
+  `torch._int_mm` (oneDNN's integer GEMM: weights read once for all rows of a call).
 
 Measured on a 2-core AVX-512/AMX CPU, one thread, a 1536 x 8960 matrix (Qwen2-1.5B's MLP),
 medians: one row fp32 2.06 ms, bf16 1.78, int8 0.76, int4 0.75; four rows bf16 1.70 (AMX),
-int8 1.43, int4 1.47. With fp32 activations both integer kernels are 10-30x slower, hence
-bf16 activations whatever the model's dtype.
+int8 1.43, int4 1.47. With fp32 activations both weight-only kernels are 10-30x slower,
+hence bf16 activations whatever the model's dtype. Both run one row at a time: a verify of
+W rows costs nearly W plain steps, and a 512-token prefill 10x its bf16 time. int8dyn's
+integer GEMM does not: Qwen2-1.5B's fused gate and up projections (17920 x 1536), one row
+3.0 ms (weight-only int8 1.9), four 2.9 (3.1), nine 3.0 (8.2), 512 116 (414).
 
 Codes are computed from the loaded weights (round to nearest; int4 asymmetric, min-max per
 group), kept on disk beside nothing of the checkpoint: `QuantCache` names a file by the
@@ -38,7 +43,7 @@ from engine.model.layers import Dense
 from engine.model.transformer import Transformer
 from engine.paths import checkpoint_identity
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "int8dyn")
 GROUP = 128
 ACT = torch.bfloat16
 
@@ -59,10 +64,11 @@ class Packed:
         self.mode, self.codes, self.group, self.bias = mode, codes, group, bias
         self.out_features = codes.shape[0]
         cuda = codes.device.type == "cuda"
-        if mode == "int8":
+        if mode in ("int8", "int8dyn"):
             if cuda:
-                raise QuantError("int8 has no CUDA kernel in torch: use quant = \"int4\"")
-            self.packed, self.scales = codes, scales.to(ACT)
+                raise QuantError(f"{mode} has no CUDA path here yet: use quant = \"int4\"")
+            self.packed = codes.t() if mode == "int8dyn" else codes  # [K, N] for _int_mm
+            self.scales = scales.float() if mode == "int8dyn" else scales.to(ACT)
         else:
             rows = -codes.shape[0] % 16  # the int4 layouts tile 16 outputs: zero rows pad
             q = F.pad(torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1),
@@ -77,6 +83,8 @@ class Packed:
             self.scales = scales.transpose(0, 1).contiguous().to(ACT)  # [K / group, N, 2]
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.mode == "int8dyn":
+            return self._dynamic(x)
         rows = x.reshape(-1, x.shape[-1]).to(ACT)
         if self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(rows, self.packed, self.scales)
@@ -86,6 +94,17 @@ class Packed:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group,
                                                            self.scales)
         y = y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def _dynamic(self, x: Tensor) -> Tensor:
+        """int8 activations too, one scale per row (so a row's result is its own), and an
+        integer matmul: int32 sums are exact in any order, so the kernel's blocking, and
+        how many rows share the call, cannot change a bit; its weights are read once for all
+        rows (a verify of several rows costs about one)."""
+        rows = x.reshape(-1, x.shape[-1]).float()
+        scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+        acc = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.packed)
+        y = (acc.float() * scale * self.scales).to(x.dtype).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:
@@ -114,7 +133,7 @@ def group_size(in_features: int) -> int:
 def encode(weight: Tensor, mode: str) -> tuple[Tensor, Tensor, int]:
     """(codes, scales, group) of `weight` [N, K]: see `Packed`."""
     w = weight.float()
-    if mode == "int8":
+    if mode in ("int8", "int8dyn"):
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return codes, scale, 0
@@ -130,7 +149,7 @@ def encode(weight: Tensor, mode: str) -> tuple[Tensor, Tensor, int]:
 
 def decode(codes: Tensor, scales: Tensor, mode: str, group: int) -> Tensor:
     """The weight [N, K] (fp32) the codes stand for: what the kernels multiply by."""
-    if mode == "int8":
+    if mode in ("int8", "int8dyn"):
         return codes.float() * scales.float()[:, None]
     q = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1, group).float()
     return ((q - 8) * scales[..., :1] + scales[..., 1:]).view(codes.shape[0], -1)
