@@ -4,6 +4,7 @@
     device = "cuda"                  # default: cuda when available
     dtype = "bf16"                   # fp32 | bf16 | fp16
     quant = "none"                   # none | int8 | int4 (weights) | int8dyn (and activations)
+    draft_vocab = 32768              # tokens a draft scores (the most frequent in code); 0: all
     idle_timeout = 1800              # seconds; 0 = never exit
     max_seq_len = 4096
     k_max = 8
@@ -72,6 +73,7 @@ class Settings:
     device: str | None = None
     dtype: str | None = None
     quant: str = "none"
+    draft_vocab: int = 32768
     idle_timeout: float = 1800.0
     max_seq_len: int = 4096
     k_max: int = 8
@@ -101,6 +103,8 @@ class Settings:
             raise ConfigFileError(f"quant must be {', '.join(QUANT_MODES)}, not {self.quant!r}")
         if self.dtype not in (None, "fp32", "bf16", "fp16"):
             raise ConfigFileError(f"dtype must be fp32, bf16 or fp16, not {self.dtype!r}")
+        if self.draft_vocab < 0:
+            raise ConfigFileError("draft_vocab must not be negative")
         for name in ("max_seq_len", "slots"):
             if getattr(self, name) < 1:
                 raise ConfigFileError(f"{name} must be positive")

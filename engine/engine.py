@@ -20,6 +20,7 @@ import torch
 from engine import prompt as recipe
 from engine.cache.kv import span_of
 from engine.cache.slots import Caches, Slot, SlotTable
+from engine.decode import draft_vocab as reduced
 from engine.decode.draft import catch_up, draft_chain
 from engine.decode.policy import KPolicy
 from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
@@ -46,29 +47,28 @@ class Engine:
                  k_max: int = 8, slots: int = 4, compile: bool | None = None,
                  graphs: bool | None = None, exact: bool | None = None,
                  fixed_shapes: bool | None = None, quant: str = "none",
-                 quant_cache: QuantCache | None = None, calibration: CalibrationStore | None = None
-                 ) -> None:
-        """`quant`: weight-only int8 or int4 for every matmul (model/quant.py), its codes kept
-        in `quant_cache`; `calibration`: where `calibrate()` keeps what it measures."""
+                 quant_cache: QuantCache | None = None, calibration: CalibrationStore | None = None,
+                 draft_vocab: int = reduced.SIZE) -> None:
+        """`quant`: quantized matmuls (model/quant.py), codes kept in `quant_cache`; what
+        `calibrate()` measures is kept in `calibration`; drafts score `draft_vocab` tokens."""
         self.model, self.tokenizer = model, tokenizer
         self.calibration = calibration
         model.fuse()
         quantize_model(model, quant, quant_cache)
+        reduced.install(model, tokenizer, draft_vocab)
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
         self.max_slots = slots
         self.k_max = k_max if model.num_mtp else 0
         self.width = self.k_max + 1  # the widest verify
-        # How steps are shaped so that every row gets the bits its plain decoding gets (see
-        # exec/invariance.py): the safe choice until `calibrate()` measures the device.
+        # Step shapes that give every row its plain decoding's bits (exec/invariance.py).
         self.invariance = Invariance(self.width, batch_invariant=False, key_invariant=False)
         # Whether to pay for that where it costs: in fp32 on the CPU (a one-row matmul rounds
         # unlike a many-row one) speed wins by default, and output may differ from plain
         # decoding at near-ties. Auto gives it up where the device cannot keep it; True refuses.
-        self.exact_asked = exact
-        self.exact = (self.dtype != torch.float32 or self.device.type != "cpu") \
-            if exact is None else exact
+        auto = self.dtype != torch.float32 or self.device.type != "cpu"
+        self.exact_asked, self.exact = exact, auto if exact is None else exact
         self.exactness = promised(exact, self.exact)  # what `ahead status` says of it
         # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
@@ -103,7 +103,8 @@ class Engine:
              dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
              exact: bool | None = None, fixed_shapes: bool | None = None,
-             quant: str = "none", quant_cache: Path | None = None) -> Engine:
+             quant: str = "none", quant_cache: Path | None = None,
+             draft_vocab: int = reduced.SIZE) -> Engine:
         """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it)."""
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         model = load_model(model_dir, device=device, dtype=dtype)
@@ -111,10 +112,11 @@ class Engine:
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
                                                quant=quant, slots=slots, k_max=k_max,
                                                max_seq_len=max_seq_len, exact=exact,
-                                               fixed_shapes=fixed_shapes)
+                                               fixed_shapes=fixed_shapes, draft=draft_vocab)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
                      fixed_shapes=fixed_shapes, quant=quant, calibration=store,
+                     draft_vocab=draft_vocab,
                      quant_cache=QuantCache(quant_cache or cache_dir("quant"), Path(model_dir)))
         engine.model_dir = Path(model_dir)
         engine.calibrate()

@@ -6,6 +6,7 @@ StarCoder-, DeepSeek- or CodeLlama-style code model works without a per-model ta
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it become the special ids."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def fingerprint(self) -> str:
+        """A hash of the whole tokenizer (vocabulary, merges, added tokens)."""
+        return hashlib.sha256(self._tok.to_str().encode()).hexdigest()
 
     def ids_starting_with(self, text: str) -> list[int]:
         """The ids whose text starts with `text` (token healing's choices)."""

@@ -29,7 +29,7 @@ Progress = Callable[[str], None]
 def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: int,
                   k_max: int, slots: int, compile: bool | None = None,
                   graphs: bool | None = None, exact: bool | None = None,
-                  quant: str = "none") -> Engine:
+                  quant: str = "none", draft_vocab: int = 32768) -> Engine:
     """An engine on the preset's shapes with random weights (any tokenizer does: token ids
     past its vocabulary decode to nothing)."""
     if name not in PRESETS:
@@ -46,7 +46,8 @@ def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: in
         raise ValueError("the bundled model's tokenizer is missing from this install")
     tokenizer = Tokenizer.from_dir(bundled)
     engine = Engine(model, tokenizer, max_seq_len=max_seq_len, k_max=k_max, slots=slots,
-                    compile=compile, graphs=graphs, exact=exact, quant=quant)
+                    compile=compile, graphs=graphs, exact=exact, quant=quant,
+                    draft_vocab=draft_vocab)
     engine.calibrate()
     return engine
 

@@ -55,14 +55,15 @@ class QuantError(ValueError):
 class Packed:
     """x W^T + b with W quantized: the same call as `Dense`."""
 
-    __slots__ = ("bias", "codes", "group", "mode", "out_features", "packed", "scales")
+    __slots__ = ("bias", "codes", "group", "mode", "out_features", "packed", "raw_scales",
+                 "scales")
 
     def __init__(self, mode: str, codes: Tensor, scales: Tensor, bias: Tensor | None,
                  group: int = 0) -> None:
         """codes: int8 [N, K] (int8), or [N, K / 2] uint8, two 4-bit codes a byte (int4);
         scales: [N] (int8) or [N, K / group, 2] scale and zero (int4), fp32."""
         self.mode, self.codes, self.group, self.bias = mode, codes, group, bias
-        self.out_features = codes.shape[0]
+        self.out_features, self.raw_scales = codes.shape[0], scales
         cuda = codes.device.type == "cuda"
         if mode in ("int8", "int8dyn"):
             if cuda:
@@ -95,6 +96,11 @@ class Packed:
                                                            self.scales)
         y = y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def rows(self, index: Tensor) -> Packed:
+        """The product by the rows `index` of W alone (their codes, as they are)."""
+        return Packed(self.mode, self.codes[index], self.raw_scales[index],
+                      None if self.bias is None else self.bias[index], self.group)
 
     def _dynamic(self, x: Tensor) -> Tensor:
         """int8 activations too, one scale per row (so a row's result is its own), and an

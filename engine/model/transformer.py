@@ -44,6 +44,8 @@ class Transformer(nn.Module):
         self.block_runner: Callable[..., Tensor] = run_block
         # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
         self.head_weight: Callable[[Tensor], Tensor] | None = None
+        # The head drafts score, when it is not this one (decode/draft_vocab.py).
+        self.draft_head: Callable[[Tensor], Tensor] | None = None
         self.quant = "none"
         self.apply(_init_weights)
 
@@ -89,7 +91,8 @@ class Transformer(nn.Module):
 
     def mtp_logits(self, i: int, out: Tensor) -> Tensor:
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
-        return self.head(module.norm(out))
+        head = self.draft_head or self.head
+        return head(module.norm(out))
 
     def chain_hidden(self, i: int, out: Tensor) -> Tensor:
         """What the next draft step receives as its hidden state."""

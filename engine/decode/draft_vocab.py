@@ -1,0 +1,106 @@
+"""A cheap draft: drafts score a reduced vocabulary, verification the whole one (FR-Spec).
+
+A draft runs the head over the whole vocabulary: 151k-248k rows, a sixth to a quarter of a
+1.5B-2B model's weights, read again for every draft. Most of the probability mass of code
+sits on far fewer tokens, so a draft scores only the `size` most frequent tokens of a code
+corpus in the model's own tokenizer (the interpreter's standard library: every machine has
+it), plus every special and stop token, and the rest get -inf. Lossless as before: the
+verify scores the whole vocabulary, and a sampled draft's distribution q is the one it was
+drawn from (zero outside the subset), which speculative sampling needs and nothing more.
+
+The ranking is computed once per tokenizer and kept in ~/.cache/ahead/draft-vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from engine.model.layers import Dense
+from engine.model.quant import Packed
+from engine.model.transformer import Transformer
+from engine.paths import cache_dir
+from engine.tokenizer import Tokenizer
+
+SIZE = 32768  # FR-Spec's choice for Llama 3's 128k vocabulary
+CORPUS_CHARS = 4_000_000
+
+
+def corpus() -> list[str]:
+    """Python source that ships with the interpreter, the first CORPUS_CHARS characters."""
+    texts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= CORPUS_CHARS:
+            break
+    return texts
+
+
+def ranked_ids(tokenizer: Tokenizer, vocab_size: int, size: int,
+               root: Path | None = None) -> list[int]:
+    """The `size` most frequent ids in the corpus, with every special and stop id, sorted."""
+    key = hashlib.sha256(json.dumps([tokenizer.fingerprint(), vocab_size, size,
+                                     CORPUS_CHARS]).encode()).hexdigest()[:24]
+    path = (root or cache_dir("draft-vocab")) / f"{key}.json"
+    try:
+        return [int(i) for i in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        pass
+    counts: Counter[int] = Counter()
+    for ids in tokenizer.encode_batch(corpus()):
+        counts.update(ids)
+    keep = {*tokenizer.special_ids, *tokenizer.stop_ids}
+    keep |= {i for i, _ in counts.most_common(max(0, size - len(keep)))}
+    ids = sorted(i for i in keep if i < vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(ids))
+    os.replace(tmp, path)
+    return ids
+
+
+class DraftHead:
+    """The head's rows for `ids`: logits [..., V] with -inf outside them."""
+
+    def __init__(self, model: Transformer, ids: list[int]) -> None:
+        device = model.model.embed_tokens.weight.device
+        self.ids = torch.tensor(ids, device=device)
+        self.vocab_size = model.cfg.vocab_size
+        head = model.head_weight
+        if isinstance(head, Packed):
+            self.rows: Dense | Packed = head.rows(self.ids)
+        else:
+            w = model.model.embed_tokens.weight if model.cfg.tie_word_embeddings \
+                else model.lm_head.weight
+            self.rows = Dense(w.detach()[self.ids].contiguous())
+
+    def __call__(self, x: Tensor) -> Tensor:
+        sub = self.rows(x)  # [..., n]
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, sub)
+
+    def nbytes(self) -> int:
+        rows = self.rows
+        if isinstance(rows, Packed):
+            return rows.nbytes()
+        return rows.weight.numel() * rows.weight.element_size()
+
+
+def install(model: Transformer, tokenizer: Tokenizer, size: int = SIZE) -> DraftHead | None:
+    """Give the model's drafts the reduced head where it saves much (the vocabulary more than
+    twice `size`); None where it does not or the model drafts nothing."""
+    vocab = model.cfg.vocab_size
+    if not model.num_mtp or size <= 0 or vocab <= 2 * size:
+        return None
+    head = DraftHead(model, ranked_ids(tokenizer, vocab, size))
+    model.draft_head = head
+    return head
