@@ -14,6 +14,7 @@ The ranking is computed once per tokenizer and kept in ~/.cache/ahead/draft-voca
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sysconfig
@@ -47,7 +48,8 @@ def corpus() -> list[str]:
 
 def ranked_ids(tokenizer: Tokenizer, vocab_size: int, size: int,
                root: Path | None = None) -> list[int]:
-    """The `size` most frequent ids in the corpus, with every special and stop id, sorted."""
+    """The `size` most frequent ids in the corpus, with every special and stop id (then the
+    lowest ids, where the corpus shows fewer), sorted."""
     key = hashlib.sha256(json.dumps([tokenizer.fingerprint(), vocab_size, size,
                                      CORPUS_CHARS]).encode()).hexdigest()[:24]
     path = (root or cache_dir("draft-vocab")) / f"{key}.json"
@@ -58,9 +60,12 @@ def ranked_ids(tokenizer: Tokenizer, vocab_size: int, size: int,
     counts: Counter[int] = Counter()
     for ids in tokenizer.encode_batch(corpus()):
         counts.update(ids)
-    keep = {*tokenizer.special_ids, *tokenizer.stop_ids}
-    keep |= {i for i, _ in counts.most_common(max(0, size - len(keep)))}
-    ids = sorted(i for i in keep if i < vocab_size)
+    keep = {i for i in (*tokenizer.special_ids, *tokenizer.stop_ids) if i < vocab_size}
+    keep |= {i for i, _ in counts.most_common(max(0, size - len(keep))) if i < vocab_size}
+    # Fewer seen than asked for: the lowest ids next (a BPE's earliest, most frequent merges).
+    keep |= set(itertools.islice((i for i in range(vocab_size) if i not in keep),
+                                 max(0, size - len(keep))))
+    ids = sorted(keep)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(ids))
