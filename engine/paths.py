@@ -4,12 +4,22 @@ calibrations, under $XDG_CACHE_HOME/ahead (~/.cache/ahead)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
 def cache_dir(kind: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "ahead" / kind
+
+
+def write_replacing(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` into a file of this process's own beside `path`, then put it in place in
+    one step: a reader, or another daemon loading the same model, never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def checkpoint_identity(model_dir: Path) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import sysconfig
 from collections import Counter
 from pathlib import Path
@@ -27,7 +26,7 @@ from torch import Tensor
 from engine.model.layers import Dense
 from engine.model.quant import Packed
 from engine.model.transformer import Transformer
-from engine.paths import cache_dir
+from engine.paths import cache_dir, write_replacing
 from engine.tokenizer import Tokenizer
 
 SIZE = 32768  # FR-Spec's choice for Llama 3's 128k vocabulary
@@ -66,10 +65,7 @@ def ranked_ids(tokenizer: Tokenizer, vocab_size: int, size: int,
     keep |= set(itertools.islice((i for i in range(vocab_size) if i not in keep),
                                  max(0, size - len(keep))))
     ids = sorted(keep)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(ids))
-    os.replace(tmp, path)
+    write_replacing(path, lambda tmp: tmp.write_text(json.dumps(ids)))
     return ids
 
 

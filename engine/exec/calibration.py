@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 from collections.abc import Hashable
 from dataclasses import asdict
@@ -29,7 +28,7 @@ from engine.decode.policy import KPolicy
 from engine.exec.invariance import Invariance, probe, promised
 from engine.generation import GenParams
 from engine.model.transformer import Transformer
-from engine.paths import checkpoint_identity
+from engine.paths import checkpoint_identity, write_replacing
 
 log = logging.getLogger("ahead.engine")
 
@@ -75,11 +74,9 @@ class CalibrationStore:
             return None  # absent or unreadable: measured again, and written anew
 
     def write(self, invariance: Invariance, costs: dict[int, list[float]]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"invariance": asdict(invariance),
-                                   "costs": {str(r): c for r, c in costs.items()}}))
-        os.replace(tmp, self.path)
+        text = json.dumps({"invariance": asdict(invariance),
+                           "costs": {str(r): c for r, c in costs.items()}})
+        write_replacing(self.path, lambda tmp: tmp.write_text(text))
 
 
 class Calibrating(Stepper, Protocol):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from torch import Tensor, nn
 
 from engine.model.layers import Dense
 from engine.model.transformer import Transformer
-from engine.paths import checkpoint_identity
+from engine.paths import checkpoint_identity, write_replacing
 
 MODES = ("none", "int8", "int4", "int8dyn")
 GROUP = 128
@@ -271,13 +270,11 @@ class QuantCache:
             return None  # unreadable or partial: computed again, and written anew
 
     def write(self, mode: str, codes: dict[str, tuple[Tensor, Tensor, int]]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for name, (c, s, _) in codes.items():
             tensors[f"{name}.codes"] = c.contiguous().cpu()
             tensors[f"{name}.scales"] = s.contiguous().cpu()
         groups = json.dumps({name: g for name, (_, _, g) in codes.items()})
-        tmp = self.path(mode).with_suffix(f".{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata={"groups": groups})
-        os.replace(tmp, self.path(mode))
+        write_replacing(self.path(mode),
+                        lambda tmp: save_file(tensors, str(tmp), metadata={"groups": groups}))
 
