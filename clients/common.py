@@ -69,9 +69,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
     p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
     p.add_argument("--quant", choices=["none", "int8", "int4", "int8dyn"],
-                   help="quantized weights for every matmul (int8, int4: bf16 activations; "
-                   "int8dyn: int8 activations too, an integer matmul); codes kept in "
-                   "~/.cache/ahead/quant (default: the config's, else none)")
+                   help="quantized weights for every matmul (int8, int4: our kernels on "
+                   "AVX-512 VNNI CPUs, else torch's; int8dyn: int8 activations, torch's "
+                   "integer matmul); codes kept in ~/.cache/ahead/quant (default: the "
+                   "config's, else none)")
     for name, what in (("graphs", "replay the decode step as CUDA graphs"),
                        ("compile", "torch.compile the decode step"),
                        ("exact", "keep output bit-identical to plain decoding even where "

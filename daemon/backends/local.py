@@ -24,6 +24,7 @@ from daemon import policy_store
 from daemon.reload import Loader, Reloader
 from daemon.scheduler import Job, Scheduler, StepReport, Usage
 from engine import Engine, Generation, GenParams
+from engine.model.quant import describe
 
 log = logging.getLogger("ahead.daemon")
 PREFILLS_PER_DECODE = 1  # running jobs wait for at most this many new jobs' prefills
@@ -86,7 +87,7 @@ class LocalBackend:
                 "model_threads": torch.get_num_threads(),
                 "step": step_mode(self.engine),
                 "exact": self.engine.exactness,
-                "quant": self.engine.model.quant,
+                "quant": describe(self.engine.model),
                 **self._memory(),
                 **self.engine.policy.report()}
 

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from engine import native
 from engine.decode.costs import Stepper, measure_costs, row_buckets
 from engine.decode.policy import KPolicy
 from engine.exec.invariance import Invariance, probe, promised
@@ -63,7 +64,7 @@ class CalibrationStore:
         weight = model.model.embed_tokens.weight
         return cls(root, model=checkpoint_identity(model_dir),
                    device=device_identity(weight.device), dtype=weight.dtype,
-                   threads=torch.get_num_threads(), **settings)
+                   threads=torch.get_num_threads(), kernels=native.status(), **settings)
 
     def read(self) -> tuple[Invariance, dict[int, list[float]]] | None:
         try:

@@ -6,9 +6,10 @@ number of keys (kv_len) with a mask built from the positions. The attention is w
 (two matmuls and a float32 softmax) rather than a fused kernel: each query row's result is
 then computed the same way whatever else shares the call, so a position verified among
 drafts gives the bits it gives decoded alone (`engine/exec/invariance.py` checks this on the
-device at load). An engine that does not promise bit-identical output (fp32 on the CPU, by
-default) uses the fused kernel instead (`exact` False). Training and references run whole
-sequences with the causal kernel.
+device at load); on AVX-512 CPUs our kernel does the same in fp32 (`attend`). An engine
+that does not promise bit-identical output (fp32 on the CPU, by default) uses the fused
+kernel instead (`exact` False). Training and references run whole sequences with the causal
+kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import native
 from engine.cache.kv import CacheBatch, KVCache
 from engine.model.config import ModelConfig
 from engine.model.layers import Dense, apply_rope, fuse_linears, norm
@@ -75,7 +77,7 @@ class Attention(nn.Module):
             assert batch is not None
             k_all, v_all = cache.update(batch, k, v)  # [B, Hkv, kv_len, D]
             if self.exact:
-                y = masked_attention(q, k_all, v_all, batch.mask)
+                y = attend(q, k_all, v_all, batch)
             else:  # the fused kernel: about twice as fast on the CPU, rows shape-dependent
                 y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=batch.mask,
                                                    enable_gqa=True)
@@ -83,6 +85,23 @@ class Attention(nn.Module):
         if gate is not None:
             y = y * torch.sigmoid(gate.reshape(bsz, seqlen, hq * hd))
         return self.o_proj(y)
+
+
+# Positions a call up to which our kernel attends (decode steps and verify windows); longer
+# calls (prefill chunks) run `masked_attention`, whose batched matmuls reuse each key across
+# rows (ours rereads it per row: a 512-token prefill of Qwen2-1.5B's shapes took 10% longer).
+KERNEL_POSITIONS = 64
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, batch: CacheBatch) -> Tensor:
+    """`masked_attention` of a cached forward; on CPUs where our kernels run, theirs for
+    decode steps and verify windows (engine/native/attention.c: the same softmax in fp32,
+    each row over its own keys only, without torch's copies of the cache)."""
+    if q.device.type == "cpu" and q.shape[2] <= KERNEL_POSITIONS and native.status() == "vnni":
+        y = native.kernels().attention(q, k, v, batch.pos)
+        if y is not None:
+            return y
+    return masked_attention(q, k, v, batch.mask)
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

@@ -1,24 +1,24 @@
-"""Weight-only quantization: every matmul of the trunk, the MTP modules and the head with its
-weight in int8 (one scale per output row) or int4 (a scale and a zero per group of inputs),
-activations in bfloat16; norms, the embedding lookup and the recurrent state stay as loaded.
+"""Quantized weights: every matmul of the trunk, the MTP modules and the head with its weight
+in int8 (one scale per output row) or int4 (a scale and a zero per group of inputs); norms,
+the embedding lookup and the recurrent state stay as loaded.
 
 On a memory-bound machine a decoding step costs the bytes of weights it reads: int8 reads a
-quarter of fp32, int4 an eighth (plus its scales). The products are torch's own kernels:
+quarter of fp32, int4 an eighth (plus its scales). Who multiplies:
 
-- int8: `aten._weight_int8pack_mm` (CPU; one row at a time, so a row's bits never depend on
-  the rows beside it);
-- int4: `aten._weight_int4pack_mm_for_cpu` on the CPU, `aten._weight_int4pack_mm` (tinygemm)
-  on CUDA, groups of 128 inputs (64 or 32 where a layer is narrower);
-- int8dyn: int8 weights and int8 activations (one scale per row, computed as it runs) with
-  `torch._int_mm` (oneDNN's integer GEMM: weights read once for all rows of a call).
+- on CPUs with AVX-512 VNNI, our kernels (engine/native): int8 activations per group of
+  inputs (as llama.cpp's Q8_0), integer dot products, weights streamed once per call for all
+  its rows (a verify of 4 rows costs about 1.2 rows), a row's bits its own;
+- elsewhere torch's: `aten._weight_int8pack_mm` (CPU, bf16 activations, one row at a time),
+  `aten._weight_int4pack_mm_for_cpu` (CPU) or `aten._weight_int4pack_mm` (tinygemm, CUDA),
+  groups of 128 inputs (64 or 32 where a layer is narrower);
+- int8dyn: int8 weights and int8 activations (one scale per row) with `torch._int_mm`
+  (oneDNN's integer GEMM), CPU only.
 
-Measured on a 2-core AVX-512/AMX CPU, one thread, a 1536 x 8960 matrix (Qwen2-1.5B's MLP),
-medians: one row fp32 2.06 ms, bf16 1.78, int8 0.76, int4 0.75; four rows bf16 1.70 (AMX),
-int8 1.43, int4 1.47. With fp32 activations both weight-only kernels are 10-30x slower,
-hence bf16 activations whatever the model's dtype. Both run one row at a time: on Qwen2-1.5B's
-shapes a verify of 4 rows costs 1.6-2x a plain step, and a 512-token prefill 6x bf16's. int8dyn's
-integer GEMM does not: Qwen2-1.5B's fused gate and up projections (17920 x 1536), one row
-3.0 ms (weight-only int8 1.9), four 2.9 (3.1), nine 3.0 (8.2), 512 116 (414).
+Measured on a 2-core AVX-512/AMX CPU, one thread, Qwen2-1.5B's shapes, bf16, a step after
+512 tokens (`ahead bench engine --preset qwen2-1.5b --quant ...`): plain step int4 94 ms with
+our kernels, 163 with torch's; int8 144 and 282 (bf16 unquantized 446). torch's kernels run
+one row at a time: a verify of 4 rows cost them 1.6-2x a plain step, and a 512-token prefill
+6x bf16's.
 
 Codes are computed from the loaded weights (round to nearest; int4 asymmetric, min-max per
 group), kept on disk beside nothing of the checkpoint: `QuantCache` names a file by the
@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from engine import native
 from engine.model.layers import Dense
 from engine.model.transformer import Transformer
 from engine.paths import checkpoint_identity, write_replacing
@@ -54,8 +55,8 @@ class QuantError(ValueError):
 class Packed:
     """x W^T + b with W quantized: the same call as `Dense`."""
 
-    __slots__ = ("bias", "codes", "group", "mode", "out_features", "packed", "raw_scales",
-                 "scales")
+    __slots__ = ("bias", "bias32", "codes", "group", "kernels", "mode", "native_group",
+                 "out_features", "packed", "raw_scales", "scales")
 
     def __init__(self, mode: str, codes: Tensor, scales: Tensor, bias: Tensor | None,
                  group: int = 0) -> None:
@@ -63,7 +64,17 @@ class Packed:
         scales: [N] (int8) or [N, K / group, 2] scale and zero (int4), fp32."""
         self.mode, self.codes, self.group, self.bias = mode, codes, group, bias
         self.out_features, self.raw_scales = codes.shape[0], scales
+        self.kernels: native.Kernels | None = None
         cuda = codes.device.type == "cuda"
+        in_features = codes.shape[1] * (2 if mode == "int4" else 1)
+        self.native_group = group or native.group_for(in_features) or 0
+        if not cuda and mode in ("int8", "int4") and native.status() == "vnni" and \
+                self.native_group:
+            self.kernels = native.kernels()
+            self.packed = native.pack(mode, codes, scales, self.native_group)
+            self.scales = scales.new_empty(0)
+            self.bias32 = None if bias is None else bias.float().contiguous()
+            return
         if mode in ("int8", "int8dyn"):
             if cuda:
                 raise QuantError(f"{mode} has no CUDA path here yet: use quant = \"int4\"")
@@ -83,6 +94,9 @@ class Packed:
             self.scales = scales.transpose(0, 1).contiguous().to(ACT)  # [K / group, N, 2]
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed, self.bias32, 4 if self.mode == "int4"
+                                       else 8, self.out_features, self.native_group)
         if self.mode == "int8dyn":
             return self._dynamic(x)
         rows = x.reshape(-1, x.shape[-1]).to(ACT)
@@ -219,6 +233,20 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
         cache.write(mode, codes)
     model.quant = mode
     return total
+
+
+def describe(model: Transformer) -> str:
+    """The mode and whose kernels run it: "int4 (vnni kernels)", "int8 (torch kernels: this
+    CPU lacks avx512_vnni)", "none"."""
+    mode = getattr(model, "quant", "none")
+    packed = packed_weights(model)
+    if mode == "none" or not packed:
+        return mode
+    if all(p.kernels is not None for p in packed.values()):
+        return f"{mode} (vnni kernels)"
+    why = native.status() if mode in ("int4", "int8") and \
+        model.model.embed_tokens.weight.device.type == "cpu" else ""
+    return f"{mode} (torch kernels{': ' + why if why != 'vnni' and why else ''})"
 
 
 def _weight_of(model: Transformer, owner: nn.Module, attr: str) -> tuple[Tensor, Tensor | None]:

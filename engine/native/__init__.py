@@ -1,0 +1,241 @@
+"""Our own CPU kernels for AVX-512 VNNI CPUs: products by int4 and int8 weights (wq.c), and
+the attention of a cached forward (attention.c).
+
+The source ships with the package and is compiled on first use by the system's C compiler
+(`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the source, the
+flags and the compiler), then loaded with ctypes: no build step at install, under a second
+to compile, and a machine without a compiler or without VNNI runs torch's kernels instead
+(`status()` says which and why). `AHEAD_NATIVE=0` turns them off.
+
+Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
+soname), as many threads as `torch.get_num_threads()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.paths import cache_dir, write_replacing
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("wq.c", "attention.c"))
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
+         "-fopenmp", "-shared", "-fPIC")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+TILE = 16  # outputs a tile (wq.c's TILE)
+GROUPS = (128, 64, 32)  # inputs an activation group: the largest that divides the width
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels cannot run here (the reason is the message)."""
+
+
+class Kernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.wq_linear
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        self._fn = fn
+        att = lib.causal_attention
+        att.restype = ctypes.c_int
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        att.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
+                        ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        self._attention = att
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor | None:
+        """softmax(q k^T / sqrt(D)) v for q [B, H, S, D], each row (b, s) over keys
+        0..pos[b, s] of k, v [B, Hkv, kv_len, D] (views of a cache: rows of D contiguous), as
+        `masked_attention` with the mask keys <= pos (a row past the keys sees them all);
+        None where the kernel does not take these tensors (then the caller's path runs)."""
+        if not (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
+                and k.stride() == v.stride() and k.stride(-1) == 1
+                and k.stride(-2) == k.shape[-1] and k.shape[-1] % 16 == 0
+                and k.shape[-1] <= 512):
+            return None
+        if torch.compiler.is_compiling():
+            return torch.ops.ahead.causal_attention(q, k, v, pos)
+        return self.run_attention(q, k, v, pos)
+
+    def run_attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+        bsz, heads, seqlen, dim = q.shape
+        qf = q.float().contiguous()
+        positions = pos.to(torch.int64).contiguous()
+        out = torch.empty_like(qf)
+        if self._attention(qf.data_ptr(), bsz, heads, seqlen, dim, k.data_ptr(), v.data_ptr(),
+                           k.shape[1], k.stride(0), k.stride(1), k.shape[2],
+                           positions.data_ptr(), out.data_ptr(), int(k.dtype == torch.bfloat16),
+                           dim ** -0.5, torch.get_num_threads()) != 0:
+            raise MemoryError("the attention kernel could not allocate its scratch memory")
+        return out.to(q.dtype)
+
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
+               group: int) -> Tensor:
+        """x [..., K] (fp32 or bf16) times the weight `pack` made, plus `bias` (fp32)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.ahead.wq_linear(x, w, bias, bits, n, group)
+        return self.run(x, w, bias, bits, n, group)
+
+    def run(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
+            group: int) -> Tensor:
+        dtype = x.dtype
+        rows = x.reshape(-1, x.shape[-1])
+        if dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
+        rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], n, dtype=rows.dtype)
+        if self._fn(w.data_ptr(), bits, n, rows.shape[1], group,
+                    None if bias is None else bias.data_ptr(), rows.data_ptr(), y.data_ptr(),
+                    rows.shape[0], int(rows.dtype == torch.bfloat16),
+                    torch.get_num_threads()) != 0:
+            raise MemoryError("the int8/int4 kernel could not allocate its scratch memory")
+        return y.to(dtype).view(*x.shape[:-1], n)
+
+
+def _missing_cpu_flags() -> list[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ["/proc/cpuinfo"]
+    line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return [f for f in CPU_FLAGS if f not in have]
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise NativeUnavailable(f"no C compiler ({cc}) on PATH")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 check=True, timeout=60).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        raise NativeUnavailable(f"the C compiler ({cc}) does not run: {e}") from e
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES), " ".join(FLAGS), cc,
+                                     version]).encode()).hexdigest()[:16]
+    path = cache_dir("native") / f"wq-{key}.so"
+    if path.is_file():
+        return path
+
+    def compile_to(tmp: Path) -> None:
+        done = subprocess.run([cc, *FLAGS, "-o", str(tmp), *map(str, SOURCES)],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise NativeUnavailable(f"the C compiler ({cc}) failed: {first}")
+
+    write_replacing(path, compile_to)
+    return path
+
+
+@functools.cache
+def _load() -> Kernels | str:
+    if os.environ.get("AHEAD_NATIVE", "1") == "0":
+        return "off (AHEAD_NATIVE=0)"
+    missing = _missing_cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    try:
+        return Kernels(ctypes.CDLL(str(_build())))
+    except NativeUnavailable as e:
+        return str(e)
+    except OSError as e:
+        return f"the compiled kernels do not load: {e}"
+
+
+def kernels() -> Kernels:
+    """The kernels, compiled and loaded once a process; raises NativeUnavailable."""
+    got = _load()
+    if isinstance(got, str):
+        raise NativeUnavailable(got)
+    return got
+
+
+def status() -> str:
+    """"vnni" when the kernels run here, else why not."""
+    got = _load()
+    return "vnni" if isinstance(got, Kernels) else got
+
+
+def group_for(in_features: int) -> int | None:
+    """Inputs an activation group for a layer this wide, or None (not a multiple of 32)."""
+    return next((g for g in GROUPS if in_features % g == 0), None)
+
+
+def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
+    """wq.c's layout from engine.model.quant's codes: int4 codes [N, K / 2] (two a byte, low
+    nibble first) with scales [N, K / group, 2] (scale, value of code 8); int8 codes [N, K]
+    with one scale a row. Returns uint8 [tiles, K / group, block]."""
+    n = codes.shape[0]
+    pad = -n % TILE
+    tiles = (n + pad) // TILE
+    if mode == "int4":
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).view(n, -1)  # [N, K]
+        k = q.shape[1]
+        q = F.pad(q, (0, 0, 0, pad)).view(tiles, TILE, k // group, group // 8, 2, 4)
+        q = q.permute(0, 2, 3, 1, 5, 4)  # [T, groups, j, lane, byte, nibble]
+        body = (q[..., 0] | q[..., 1] << 4).reshape(tiles, k // group, group * 8)
+        s, m = scales[..., 0], scales[..., 1] - 8 * scales[..., 0]  # w = q s + m
+    else:
+        k = codes.shape[1]
+        u = (codes.to(torch.int16) + 128).to(torch.uint8)  # w = (u - 128) s
+        u = F.pad(u, (0, 0, 0, pad)).view(tiles, TILE, k // group, group // 4, 4)
+        body = u.permute(0, 2, 3, 1, 4).reshape(tiles, k // group, group * 16)
+        s = scales.float()[:, None].expand(n, k // group)
+        m = -128 * s
+    sm = F.pad(torch.stack([s, m], dim=-1), (0, 0, 0, 0, 0, pad))  # [N', groups, 2]
+    sm = sm.view(tiles, TILE, k // group, 2).permute(0, 2, 3, 1).to(torch.float16)
+    head = sm.contiguous().view(torch.uint8).view(tiles, k // group, 4 * TILE)
+    return torch.cat([body, head], dim=-1).contiguous()
+
+
+def reference(mode: str, codes: Tensor, scales: Tensor, group: int, x: Tensor,
+              bias: Tensor | None = None) -> Tensor:
+    """What the kernel computes, in float64 from the same quantities (tests): activations
+    coded per group as wq.c codes them, weights as `pack` stores them (fp16 scales)."""
+    n = codes.shape[0]
+    if mode == "int4":
+        s = scales[..., 0].half().double()
+        m = (scales[..., 1] - 8 * scales[..., 0]).half().double()
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).view(n, -1, group).double()
+        w = (q * s[..., None] + m[..., None]).view(n, -1)
+    else:
+        w = codes.double() * scales.half().double()[:, None]
+    rows = x.reshape(-1, x.shape[-1]).float().view(-1, x.shape[-1] // group, group)
+    amax = rows.abs().amax(-1, keepdim=True)
+    qa = torch.round(rows * torch.where(amax > 0, 127 / amax, 0))
+    a = (qa.double() * (amax / 127).double()).view(rows.shape[0], -1)
+    y = a @ w.T + (0 if bias is None else bias.double())
+    return y.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("ahead::wq_linear", mutates_args=())
+def _wq_linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
+               group: int) -> Tensor:
+    return kernels().run(x, w, bias, bits, n, group)
+
+
+@_wq_linear.register_fake
+def _(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("ahead::causal_attention", mutates_args=())
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+    return kernels().run_attention(q, k, v, pos)
+
+
+@_causal_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+    return torch.empty_like(q)

@@ -1,0 +1,131 @@
+/* Causal attention of a cached forward on AVX-512 CPUs: each query row attends to its slot's
+keys 0..pos, softmax(q k^T / sqrt(D)) v, in fp32 whatever the cache's dtype.
+
+Why: torch's bf16 batched matmul on the CPU copies the keys it reads (the cache is a strided
+view) and is slow for these shapes: a decode step of Qwen2-1.5B's shapes spent more in
+attention's copies than in its arithmetic. And the bits: a row's result here is computed
+from its own query and the keys it may see, in one order (keys 0..pos, dot products over
+D in fixed lanes), so neither the other rows of the call, nor the number of keys the call
+reads (kv_len, a bucket), nor the thread that runs it changes a bit; the masked keys past a
+row's position are never touched.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline __m512 load16(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))),
+            16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* e^x for x <= 0 (x - max of a softmax): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2,
+   then a degree-6 polynomial for e^r (relative error about 2e-7); below -87 it is 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(~tiny, e);
+}
+
+/* One query row (D floats, D a multiple of 16, at most 512) against keys 0..n-1. */
+static void attend_row(const float *q, const void *k, const void *v, int64_t key_stride,
+                       int64_t n, int64_t D, int bf16, float scale, float *scores, float *out) {
+    __m512 qv[32];
+    for (int64_t j = 0; j < D / 16; j++)
+        qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), _mm512_set1_ps(scale));
+    float max = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D / 16; j++)
+            acc = _mm512_fmadd_ps(qv[j], load16(k, t * key_stride + 16 * j, bf16), acc);
+        float s = _mm512_reduce_add_ps(acc);
+        scores[t] = s;
+        max = s > max ? s : max;
+    }
+    /* probabilities in lanes of 16, summed lane-wise then across lanes: a fixed order */
+    __m512 sum16 = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t),
+                                                 _mm512_set1_ps(max)));
+        _mm512_storeu_ps(scores + t, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    if (t < n) {
+        __mmask16 m = (__mmask16)((1u << (n - t)) - 1);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t),
+                                                 _mm512_set1_ps(max)));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(scores + t, m, e);
+        sum16 = _mm512_add_ps(sum16, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(sum16);
+    __m512 acc[32];
+    for (int64_t j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();
+    for (t = 0; t < n; t++) {
+        __m512 p = _mm512_set1_ps(scores[t]);
+        for (int64_t j = 0; j < D / 16; j++)
+            acc[j] = _mm512_fmadd_ps(p, load16(v, t * key_stride + 16 * j, bf16), acc[j]);
+    }
+    for (int64_t j = 0; j < D / 16; j++)
+        _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(inv)));
+}
+
+/* out [B, H, S, D] (fp32) = attention of q [B, H, S, D] (fp32, contiguous) over the keys
+   k, v (fp32, or bf16 when bf16 != 0; element (b, h, t, d) at b*sb + h*sh + t*D + d) of
+   kv heads H / Hkv query heads share; row (b, s) sees keys 0..pos[b*S + s], all kv_len of
+   them where its position is past them (a padding row parked at the cache's end), none (a
+   row of zeros) where it is negative. Returns 0, or -1 when scratch memory could not be had
+   or the shapes are not ones this kernel takes. */
+int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
+                     const void *k, const void *v, int64_t Hkv, int64_t sb, int64_t sh,
+                     int64_t kv_len, const int64_t *pos, float *out, int bf16, float scale,
+                     int threads) {
+    if (D % 16 != 0 || D > 512 || H % Hkv != 0) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(kv_len + 16));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                if (!scores) continue;
+                const int64_t off = b * sb + (h / (H / Hkv)) * sh;
+                const void *kh = bf16 ? (const void *)((const uint16_t *)k + off)
+                                      : (const void *)((const float *)k + off);
+                const void *vh = bf16 ? (const void *)((const uint16_t *)v + off)
+                                      : (const void *)((const float *)v + off);
+                for (int64_t s = 0; s < S; s++) {
+                    const int64_t row = (b * H + h) * S + s, p = pos[b * S + s];
+                    const int64_t n = p < 0 ? 0 : p >= kv_len ? kv_len : p + 1;
+                    if (n == 0)
+                        memset(out + row * D, 0, sizeof(float) * (size_t)D);
+                    else
+                        attend_row(q + row * D, kh, vh, D, n, D, bf16, scale, scores,
+                                   out + row * D);
+                }
+            }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

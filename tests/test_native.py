@@ -1,0 +1,157 @@
+"""Our int4/int8 CPU kernels (engine/native): what they compute, that a row's bits are its
+own whatever the batch and threads, and what runs where they cannot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import native
+from engine.model.quant import Packed, encode
+
+needs_vnni = pytest.mark.skipif(native.status() != "vnni",
+                                reason=f"the kernels do not run here: {native.status()}")
+MODES = ["int4", "int8"]
+
+
+def _layer(mode: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    bias = torch.randn(n, generator=gen)
+    codes, scales, group = encode(w, mode)
+    return Packed(mode, codes, scales, bias, group), bias
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(200, 64), (50, 96), (33, 384), (16, 32)])
+@pytest.mark.parametrize("rows", [1, 7, 19])
+def test_the_kernel_computes_what_its_reference_says(mode: str, shape: tuple[int, int],
+                                                     rows: int) -> None:
+    layer, bias = _layer(mode, *shape)
+    assert layer.kernels is not None
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
+    x[0, :32] = 0  # a group of zeros: scale 0, no division by it
+    want = native.reference(mode, layer.codes, layer.raw_scales, layer.native_group, x, bias)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got16 = layer(x.bfloat16())
+    want16 = native.reference(mode, layer.codes, layer.raw_scales, layer.native_group,
+                              x.bfloat16(), bias)
+    assert got16.dtype == torch.bfloat16
+    assert torch.allclose(got16.double(), want16, rtol=1e-2, atol=1e-2)
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rows_bits_are_its_own_in_any_batch_and_on_any_number_of_threads(mode: str) -> None:
+    layer, _ = _layer(mode, 75, 256)
+    x = torch.randn(2, 11, 256, generator=torch.Generator().manual_seed(2))
+    together = layer(x)
+    alone = torch.stack([torch.stack([layer(x[b, i:i + 1])[0] for i in range(11)])
+                         for b in range(2)])
+    assert torch.equal(together, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_vnni
+def test_the_kernel_runs_inside_a_compiled_graph() -> None:
+    layer, _ = _layer("int4", 64, 128)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(lambda t: layer(t) * 2, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), layer(x) * 2)
+
+
+def _status_in(env: dict[str, str]) -> list[str]:
+    """native.status() and the kernels a quantized layer runs on, in a fresh process."""
+    code = ("from engine import native; from engine.model.quant import Packed, encode;"
+            "import torch; c, s, g = encode(torch.randn(32, 64), 'int8');"
+            "p = Packed('int8', c, s, None, g); y = p(torch.randn(2, 64));"
+            "print(native.status()); print(p.kernels is None, tuple(y.shape))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_without_the_kernels_torch_runs_the_layer_and_status_says_why(tmp_path: Path) -> None:
+    assert _status_in({"AHEAD_NATIVE": "0"}) == ["off (AHEAD_NATIVE=0)", "True (2, 32)"]
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'brokencc 1.0' && exit 0\n"
+                      "echo 'brokencc: cannot compile' >&2; exit 1\n")
+    broken.chmod(0o755)
+    env = {"CC": str(broken), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    status, runs = _status_in(env)
+    if native.status() == "vnni":  # else the CPU's own reason comes first
+        assert status == f"the C compiler ({broken}) failed: brokencc: cannot compile"
+    assert runs == "True (2, 32)"
+    assert not list((tmp_path / "cache").rglob("*.so"))
+    assert _status_in({"CC": str(tmp_path / "nocc"), "XDG_CACHE_HOME": str(tmp_path)})[1] \
+        == "True (2, 32)"
+
+
+@needs_vnni
+def test_the_compiled_kernels_are_kept_and_reused(tmp_path: Path) -> None:
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert _status_in(env) == ["vnni", "False (2, 32)"]
+    built = list((tmp_path / "ahead" / "native").glob("wq-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert _status_in(env)[0] == "vnni"
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def _attention_case(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    cache_k = torch.randn(3, 2, 96, 128, generator=gen).to(dtype)  # [slots, Hkv, len, D]
+    cache_v = torch.randn(3, 2, 96, 128, generator=gen).to(dtype)
+    q = torch.randn(2, 6, 4, 128, generator=gen).to(dtype)  # [B, H, S, D]
+    pos = torch.tensor([[0, 1, 2, 3], [40, 41, 42, 63]])
+    return cache_k, cache_v, q, pos
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(dtype: torch.dtype) -> None:
+    from engine.model.attention import masked_attention
+
+    cache_k, cache_v, q, pos = _attention_case(dtype)
+    kernel = native.kernels()
+    k, v = cache_k[1:3, :, :64], cache_v[1:3, :, :64]  # slots 1, 2; a bucket of 64 keys
+    got = kernel.attention(q, k, v, pos)
+    assert got is not None and got.dtype == dtype and got.shape == q.shape
+    mask = (torch.arange(64)[None, None, :] <= pos[:, :, None])[:, None]
+    want = masked_attention(q.float(), k.float(), v.float(), mask)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol)
+    # all keys of the slots instead of a bucket; each row alone: the same bits
+    assert torch.equal(kernel.attention(q, cache_k[1:3], cache_v[1:3], pos), got)
+    for b in range(2):
+        for s in range(4):
+            alone = kernel.attention(q[b:b + 1, :, s:s + 1], k[b:b + 1], v[b:b + 1],
+                                     pos[b:b + 1, s:s + 1])
+            assert torch.equal(alone, got[b:b + 1, :, s:s + 1])
+
+
+@needs_vnni
+def test_attention_rows_past_the_keys_see_them_all_and_other_tensors_are_declined() -> None:
+    cache_k, cache_v, q, pos = _attention_case(torch.float32)
+    kernel = native.kernels()
+    k, v = cache_k[1:3, :, :48], cache_v[1:3, :, :48]
+    parked = pos.clone()
+    parked[1] = 95  # padding rows of a prefill sit at the cache's last position
+    last = pos.clone()
+    last[1] = 47
+    assert torch.equal(kernel.attention(q, k, v, parked), kernel.attention(q, k, v, last))
+    assert kernel.attention(q.half(), cache_k[1:3].half(), cache_v[1:3].half(), pos) is None
