@@ -155,3 +155,43 @@ def test_attention_rows_past_the_keys_see_them_all_and_other_tensors_are_decline
     last[1] = 47
     assert torch.equal(kernel.attention(q, k, v, parked), kernel.attention(q, k, v, last))
     assert kernel.attention(q.half(), cache_k[1:3].half(), cache_v[1:3].half(), pos) is None
+
+
+@needs_vnni
+def test_the_delta_rule_runs_in_the_cache_ring_as_the_recurrent_form_does() -> None:
+    from engine.cache.state import StateCache
+    from engine.model.deltanet import recurrent
+
+    gen = torch.Generator().manual_seed(4)
+    heads, k_dim, v_dim, ring = 4, 32, 48, 5
+    index = torch.tensor([1, 0, 4])  # each slot's committed ring entry (4: the next wraps)
+    cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
+    cache.state.normal_(generator=gen)
+    slots = torch.tensor([2, 0])
+
+    def case(n: int) -> tuple[torch.Tensor, ...]:
+        q, k = (torch.randn(2, heads, n, k_dim, generator=gen) * 0.3 for _ in range(2))
+        v = torch.randn(2, heads, n, v_dim, generator=gen)
+        return q, k, v, -torch.rand(2, heads, n, generator=gen), torch.rand(2, heads, n,
+                                                                             generator=gen)
+
+    q, k, v, g, beta = case(3)
+    committed = cache.read_state(slots).clone()
+    want_o, want_states = recurrent(q, k, v, g, beta, committed)
+    src, dst = cache.state_offsets(slots, 3)
+    got = native.kernels().delta_rule(q, k, v, g.exp(), beta, cache.state, src, dst)
+    assert got is not None
+    assert torch.allclose(got, want_o, atol=1e-5)
+    at = (index[slots, None] + torch.arange(1, 4)) % ring
+    assert torch.allclose(cache.state[slots[:, None], at], want_states, atol=1e-5)
+    assert torch.equal(cache.read_state(slots), committed)  # the committed entry is untouched
+    # one slot alone, one position at a time: the same bits as the window of three
+    window = got[1:].clone()
+    after = cache.state[slots[1:, None], at[1:]].clone()
+    for t in range(3):
+        src, dst = cache.state_offsets(slots[1:], 1)
+        one = native.kernels().delta_rule(*(x[1:, :, t:t + 1] for x in (q, k, v, g.exp(), beta)),
+                                          cache.state, src, dst)
+        assert one is not None and torch.equal(one, window[:, :, t:t + 1])
+        assert torch.equal(cache.state[slots[1:], (index[slots[1:]] + 1) % ring], after[:, t])
+        index[slots[1:]] = (index[slots[1:]] + 1) % ring  # commit the position

@@ -45,16 +45,37 @@ class StateCache:
 
     def read(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """The committed conv [B, C, K-1] and recurrent [B, H, Dk, Dv] states of `slots`."""
-        at = self.index[slots]
-        return self.conv[slots, at], self.state[slots, at]
+        return self.read_conv(slots), self.read_state(slots)
+
+    def read_conv(self, slots: Tensor) -> Tensor:
+        return self.conv[slots, self.index[slots]]
+
+    def read_state(self, slots: Tensor) -> Tensor:
+        return self.state[slots, self.index[slots]]
 
     def write(self, slots: Tensor, conv: Tensor, state: Tensor) -> None:
         """The states after each of S positions, conv [B, S, C, K-1] and state
         [B, S, H, Dk, Dv], into the ring entries after the committed one."""
+        self.write_conv(slots, conv)
+        steps = torch.arange(1, conv.shape[1] + 1, device=slots.device)
+        at = (self.index[slots, None] + steps) % self.ring  # [B, S]
+        self.state[slots[:, None], at] = state
+
+    def write_conv(self, slots: Tensor, conv: Tensor) -> None:
+        """The conv states after each of S positions [B, S, C, K-1] (as `write`)."""
         steps = torch.arange(1, conv.shape[1] + 1, device=slots.device)
         at = (self.index[slots, None] + steps) % self.ring  # [B, S]
         self.conv[slots[:, None], at] = conv.to(self.conv.dtype)
-        self.state[slots[:, None], at] = state
+
+    def state_offsets(self, slots: Tensor, positions: int) -> tuple[Tensor, Tensor]:
+        """Where in `self.state` (elements from its start) the committed delta-rule state of
+        each of `slots` is [B], and where the state after each of `positions` goes [B, S]
+        (the ring entries `write` fills)."""
+        entry = self.state[0, 0].numel()
+        steps = torch.arange(1, positions + 1, device=slots.device)
+        at = self.index[slots]
+        ring = slots * self.ring
+        return (ring + at) * entry, (ring[:, None] + (at[:, None] + steps) % self.ring) * entry
 
     def clear(self, slots: Tensor) -> None:
         """The committed states of `slots` back to zero (nothing seen yet)."""

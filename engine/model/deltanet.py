@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine import native
 from engine.cache.kv import CacheBatch
 from engine.cache.state import StateCache
 from engine.model.config import ModelConfig
@@ -84,10 +85,9 @@ class GatedDeltaNet(nn.Module):
                 [self.conv_size, self.value_size, self.num_v_heads, self.num_v_heads], dim=-1)
         if cache is None:
             conv_state = x.new_zeros(bsz, self.conv_size, self.kernel - 1)
-            state = x.new_zeros(bsz, self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
         else:
             assert batch is not None
-            conv_state, state = cache.read(batch.slots)
+            conv_state = cache.read_conv(batch.slots)
         window = torch.cat([conv_state, qkv.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
         mixed = causal_conv(window, self.conv1d.weight[:, 0]).to(x.dtype)  # [B, S, C]
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
@@ -98,11 +98,22 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * same_path(F.softplus, a.float() + self.dt_bias.float())
         q, k, v = _prepare(q, k, v, self.num_v_heads // self.num_k_heads)
         if cache is not None and batch is not None and batch.per_position:
-            out, states = recurrent(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
             # the conv state after position t: the K-1 inputs up to t
             convs = window.unfold(-1, self.kernel - 1, 1)[:, :, 1:]  # [B, C, S, K-1]
-            cache.write(batch.slots, convs.transpose(1, 2), states)
+            out = _recurrent_in_cache(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), cache,
+                                      batch.slots)
+            if out is None:
+                out, states = recurrent(q, k, v, g.transpose(1, 2), beta.transpose(1, 2),
+                                        cache.read_state(batch.slots))
+                cache.write(batch.slots, convs.transpose(1, 2), states)
+            else:
+                cache.write_conv(batch.slots, convs.transpose(1, 2))
         else:
+            if cache is None or batch is None:
+                state = x.new_zeros(bsz, self.num_v_heads, self.k_dim, self.v_dim,
+                                    dtype=torch.float32)
+            else:
+                state = cache.read_state(batch.slots)
             out, state = chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), state)
             if cache is not None and batch is not None:
                 cache.write(batch.slots, window[:, None, :, -(self.kernel - 1):], state[:, None])
@@ -132,6 +143,17 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, group: int) -> tuple[Tensor, Tenso
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _recurrent_in_cache(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                        cache: StateCache, slots: Tensor) -> Tensor | None:
+    """`recurrent` by our kernel where it runs (AVX-512 CPUs), its states read from and
+    written into the cache's ring in place; None elsewhere."""
+    if q.device.type != "cpu" or native.status() != "vnni":
+        return None
+    src, dst = cache.state_offsets(slots, q.shape[2])
+    return native.kernels().delta_rule(q, k, v, same_path(torch.exp, g), beta, cache.state,
+                                       src, dst)
 
 
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

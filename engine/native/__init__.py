@@ -1,5 +1,6 @@
-"""Our own CPU kernels for AVX-512 VNNI CPUs: products by int4 and int8 weights (wq.c), and
-the attention of a cached forward (attention.c).
+"""Our own CPU kernels for AVX-512 VNNI CPUs: products by int4 and int8 weights (wq.c), the
+attention of a cached forward (attention.c) and Gated DeltaNet's delta rule a position at a
+time (deltanet.c).
 
 The source ships with the package and is compiled on first use by the system's C compiler
 (`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the source, the
@@ -27,7 +28,8 @@ from torch import Tensor
 
 from engine.paths import cache_dir, write_replacing
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("wq.c", "attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("wq.c", "attention.c", "deltanet.c"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
@@ -53,6 +55,36 @@ class Kernels:
         att.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
                         ctypes.c_int, ctypes.c_float, ctypes.c_int]
         self._attention = att
+        delta = lib.delta_rule
+        delta.restype = ctypes.c_int
+        delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int]
+        self._delta = delta
+
+    def delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
+                   states: Tensor, src: Tensor, dst: Tensor) -> Tensor | None:
+        """`deltanet.recurrent` over q, k [B, H, S, Dk], v [B, H, S, Dv], decay (a_t, not
+        its log) and beta [B, H, S], reading each row's state at element offset src [B] of
+        `states` (fp32, contiguous: the cache's ring) and writing the state after each
+        position at dst [B, S]. Returns o [B, H, S, Dv]; None for shapes it does not take."""
+        if not (states.dtype == torch.float32 and states.is_contiguous()
+                and v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
+            return None
+        if torch.compiler.is_compiling():
+            return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
+        return self.run_delta_rule(q, k, v, decay, beta, states, src, dst)
+
+    def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
+                       states: Tensor, src: Tensor, dst: Tensor) -> Tensor:
+        bsz, heads, seqlen, dk = q.shape
+        q, k, v, decay, beta = (t.float().contiguous() for t in (q, k, v, decay, beta))
+        src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+        out = v.new_empty(v.shape)
+        if self._delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
+                       beta.data_ptr(), states.data_ptr(), src.data_ptr(), dst.data_ptr(),
+                       bsz, heads, seqlen, dk, v.shape[-1], out.data_ptr(),
+                       torch.get_num_threads()) != 0:
+            raise ValueError(f"delta rule: shapes the kernel does not take {tuple(v.shape)}")
+        return out
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor | None:
         """softmax(q k^T / sqrt(D)) v for q [B, H, S, D], each row (b, s) over keys
@@ -239,3 +271,15 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
 @_causal_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("ahead::delta_rule", mutates_args=("states",))
+def _delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
+                src: Tensor, dst: Tensor) -> Tensor:
+    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst)
+
+
+@_delta_rule.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
+      src: Tensor, dst: Tensor) -> Tensor:
+    return torch.empty_like(v)
