@@ -44,3 +44,46 @@ def test_a_missing_peer_binary_is_a_clear_error(trained_dir: Path, tmp_path: Pat
          str(tmp_path / "x.gguf")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1
     assert "llama-server binary" in run.stderr and "does not exist" in run.stderr
+
+
+def _bench_steps_against(model: Path, gguf: Path, out: Path) -> dict:
+    run = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "bench", "engine", "--model", str(model),
+         "--context", "48", "--max-new-tokens", "24", "--k-max", "2", "--ks", "1,2",
+         "--synthetic-acceptance", "0.9,0.8", "--peer", str(SERVER), "--peer-model",
+         str(gguf), "--json", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"peer {gguf.name}: plain" in run.stdout
+    return json.loads(out.read_text())["peer"]
+
+
+@needs_peer
+def test_in_step_mode_the_peer_drafts_with_its_mtp_module_at_the_same_rates(
+        tmp_path: Path) -> None:
+    """llama.cpp's own figures beside ours on the same shapes: its best plain decode
+    (llama-bench), plain and draft-mtp in llama-server (`--no-repack`), drafts kept at the
+    same synthetic rates as ours."""
+    from tests.peers.preset_gguf import convert
+    from training.synthetic import write_checkpoint
+
+    checkpoint = tmp_path / "qwen35"
+    # head_dim 256 as the real ones: llama.cpp's M-RoPE sections (11, 11, 10 pairs) need
+    # the 64 rotary dims a quarter of it gives
+    write_checkpoint(checkpoint, "tiny-qwen3.5", train_steps=0, seed=0, mtp_naming="mtp",
+                     head_dim=256)
+    peer = _bench_steps_against(checkpoint, convert(checkpoint, tmp_path / "f16.gguf"),
+                                tmp_path / "bench.json")
+    assert peer["plain_tokens_per_s"] > 0 and peer["plain_no_repack_tokens_per_s"] > 0
+    assert peer["mtp_tokens_per_s"] > 0
+    # rates 0.9, 0.8 on two drafts: 1 + 0.9 + 0.72 = 2.6 tokens a step expected
+    assert 1.8 < peer["mtp_tokens_per_step"] <= 3
+
+
+@needs_peer
+def test_a_peer_model_without_an_mtp_module_says_it_cannot_draft(random_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    peer = _bench_steps_against(random_dir, to_gguf(random_dir, tmp_path / "trunk.gguf"),
+                                tmp_path / "bench.json")
+    assert peer["plain_no_repack_tokens_per_s"] > 0
+    assert "mtp_tokens_per_s" not in peer and peer["mtp_error"]

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,7 +29,7 @@ class LlamaServer:
     """`binary` serving `gguf` on 127.0.0.1 while the `with` block runs."""
 
     def __init__(self, binary: Path, gguf: Path, *, threads: int, context: int,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, extra: Sequence[str] = ()) -> None:
         for path, what in ((binary, "llama-server binary"), (gguf, "GGUF model")):
             if not path.is_file():
                 raise PeerError(f"{what} {path} does not exist")
@@ -37,7 +38,7 @@ class LlamaServer:
             self.port = int(s.getsockname()[1])
         self.args = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port",
                      str(self.port), "-c", str(context), "-np", "1", "-t", str(threads),
-                     "-tb", str(threads), "--no-webui"]
+                     "-tb", str(threads), "--no-webui", *extra]
         self.start_timeout = start_timeout
         self.lines: list[str] = []
         self._ready = threading.Event()
@@ -70,6 +71,11 @@ class LlamaServer:
 
     def complete(self, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
         """Greedy tokens after `ids` and the server's decode rate (tokens/s)."""
+        tokens, timings = self.complete_timed(ids, max_tokens)
+        return tokens, float(timings["predicted_per_second"])
+
+    def complete_timed(self, ids: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
+        """Greedy tokens after `ids` and the server's `timings` (decode rate, drafts)."""
         body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
                 "ignore_eos": True, "cache_prompt": False, "return_tokens": True,
                 "stream": False}
@@ -82,7 +88,62 @@ class LlamaServer:
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise PeerError(f"llama-server failed a completion: {e}") from None
         try:
-            return list(answer["tokens"]), float(answer["timings"]["predicted_per_second"])
+            float(answer["timings"]["predicted_per_second"])
+            return list(answer["tokens"]), dict(answer["timings"])
         except (KeyError, TypeError, ValueError):
             raise PeerError(f"llama-server's answer has no tokens or timings: "
                             f"{sorted(answer)}") from None
+
+
+def peer_steps(binary: Path, gguf: Path, prompt: list[int], new_tokens: int, *, threads: int,
+               k_max: int, synthetic: list[float] | None) -> dict[str, Any]:
+    """llama.cpp on the same shapes, as it runs best (step timings mode of the bench):
+    - `plain_tokens_per_s`: `llama-bench -p 0` beside the server (batch-1 decode from an
+      empty context, with its default weight repacking);
+    - `plain_no_repack_tokens_per_s`: llama-server decoding after `prompt`, `--no-repack`
+      (on AMX CPUs the repacked weights crash on any batch of more than one token: the
+      prompt, a verify);
+    - `mtp_tokens_per_s`, `mtp_tokens_per_step`: the same with `--spec-type draft-mtp`, K up
+      to `k_max`, drafts kept at the `synthetic` rates (when given), or `mtp_error` where
+      the server refuses (a GGUF without an MTP module)."""
+    out: dict[str, Any] = {"binary": str(binary), "model": str(gguf)}
+    bench = binary.with_name("llama-bench")
+    if bench.is_file():
+        done = subprocess.run([str(bench), "-m", str(gguf), "-p", "0", "-n", str(new_tokens),
+                               "-t", str(threads), "-r", "3", "-o", "json"],
+                              capture_output=True, text=True, timeout=1800)
+        try:
+            out["plain_tokens_per_s"] = float(json.loads(done.stdout)[0]["avg_ts"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise PeerError(f"llama-bench failed: {done.stderr.strip()[-500:]}") from None
+    context = len(prompt) + new_tokens + 16
+    with LlamaServer(binary, gguf, threads=threads, context=context,
+                     extra=["--no-repack"]) as server:
+        _, timings = server.complete_timed(prompt, new_tokens)
+        out["plain_no_repack_tokens_per_s"] = float(timings["predicted_per_second"])
+    if synthetic is None:
+        return out
+    spec = ["--no-repack", "--spec-type", "draft-mtp", "--spec-draft-n-max", str(k_max),
+            "--spec-synth-rates", ",".join(f"{p:g}" for p in synthetic)]
+    try:
+        with LlamaServer(binary, gguf, threads=threads, context=context, extra=spec) as server:
+            _, timings = server.complete_timed(prompt, new_tokens)
+    except PeerError as e:
+        out["mtp_error"] = _first_complaint(str(e).splitlines(), "MTP")
+        return out
+    out["mtp_tokens_per_s"] = float(timings["predicted_per_second"])
+    drafted, kept = timings.get("draft_n"), timings.get("draft_n_accepted")
+    if drafted is not None and kept is not None:
+        steps = max(int(timings.get("predicted_n", new_tokens)) - int(kept), 1)
+        out["mtp_tokens_per_step"] = int(timings.get("predicted_n", new_tokens)) / steps
+    return out
+
+
+def _first_complaint(lines: list[str], topic: str) -> str:
+    """The first warning or error of a llama.cpp log about `topic` (else its last line),
+    without the timestamp: "llama_init_from_model: context type MTP requested but model
+    doesn't contain MTP layers"."""
+    said = [ln.split(" ", 2)[-1].strip() for ln in lines
+            if len(ln.split(" ", 2)) == 3 and ln.split(" ", 2)[1] in ("W", "E")]
+    return next((ln for ln in said if topic in ln), said[-1] if said else
+                (lines[-1] if lines else "llama-server refused"))

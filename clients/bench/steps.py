@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
 from engine.model.config import PRESETS
-from engine.model.quant import packed_weights
+from engine.model.quant import describe, packed_weights
 from engine.model.transformer import Transformer
 from engine.tokenizer import Tokenizer
 
@@ -54,11 +55,12 @@ def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: in
 
 def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                 ks: list[int] | None = None, slots: int = 1,
-                synthetic: list[float] | None = None,
-                progress: Progress | None = None) -> dict[str, Any]:
+                synthetic: list[float] | None = None, progress: Progress | None = None,
+                peer: Callable[[list[int], int], dict[str, Any]] | None = None) -> dict[str, Any]:
     """`synthetic`: per draft position, the probability of keeping a draft, in place of the
     acceptance rule (random weights accept nothing): speculative speed at that acceptance.
-    Output then is not the model's, and `identical_to_ar` is None."""
+    Output then is not the model's, and `identical_to_ar` is None. `peer(prompt, new_tokens)`:
+    another engine's figures on the same prompt (`peer.peer_steps`), under "peer"."""
     say = progress or (lambda _: None)
     if synthetic is not None:
         rates = [*synthetic, *[0.0] * engine.k_max][:max(engine.k_max, 1)]
@@ -69,7 +71,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
     ks = ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]
     out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
-                           "exact": engine.exactness, "quant": engine.model.quant}
+                           "exact": engine.exactness, "quant": describe(engine.model)}
     say("prefill")
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     say("plain decoding")
@@ -95,6 +97,9 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     out["identical_to_ar"] = identical if synthetic is None else None
     if synthetic is not None:
         out["synthetic_acceptance"] = synthetic
+    if peer is not None:
+        say("peer")
+        out["peer"] = peer(prompts[0], new_tokens)
     say("kernels and bandwidth")
     out["launches_per_ar_step"] = _launches(engine, prompts[0])
     weight_bytes = _weight_bytes(engine.model)
@@ -222,4 +227,24 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines.append(f"identical to plain decoding: {r['identical_to_ar']} "
                      f"(exact: {r['exact']})")
+    if "peer" in r:
+        lines.append(_peer_line(r["peer"], r["ar_tokens_per_s"],
+                                max(r.get("tokens_per_s_by_k", {}).values(), default=0.0)))
     return "\n".join(lines)
+
+
+def _peer_line(p: dict[str, Any], plain: float, best: float) -> str:
+    """The peer's figures, and ours as a share of them (ours / theirs)."""
+    parts = [f"peer {Path(p['model']).name}:"]
+    if "plain_tokens_per_s" in p:
+        theirs = p["plain_tokens_per_s"]
+        parts.append(f"plain {theirs:.1f} tokens/s (ours: plain {plain / theirs:.2f}x, "
+                     f"best K {best / theirs:.2f}x);")
+    parts.append(f"plain --no-repack {p['plain_no_repack_tokens_per_s']:.1f};")
+    if "mtp_tokens_per_s" in p:
+        parts.append(f"draft-mtp {p['mtp_tokens_per_s']:.1f} tokens/s "
+                     f"({p.get('mtp_tokens_per_step', 0):.2f} tokens/step; best K ours "
+                     f"{best / p['mtp_tokens_per_s']:.2f}x)")
+    elif "mtp_error" in p:
+        parts.append(f"draft-mtp unavailable ({p['mtp_error']})")
+    return " ".join(parts)

