@@ -34,7 +34,7 @@ def _layer(mode: str, n: int, k: int, seed: int = 0) -> tuple[Packed, torch.Tens
 def test_the_kernel_computes_what_its_reference_says(mode: str, shape: tuple[int, int],
                                                      rows: int) -> None:
     layer, bias = _layer(mode, *shape)
-    assert layer.kernels is not None
+    assert layer.native
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1))
     x[0, :32] = 0  # a group of zeros: scale 0, no division by it
     want = native.reference(mode, layer.codes, layer.raw_scales, layer.native_group, x, bias)
@@ -78,7 +78,7 @@ def _status_in(env: dict[str, str]) -> list[str]:
     code = ("from engine import native; from engine.model.quant import Packed, encode;"
             "import torch; c, s, g = encode(torch.randn(32, 64), 'int8');"
             "p = Packed('int8', c, s, None, g); y = p(torch.randn(2, 64));"
-            "print(native.status()); print(p.kernels is None, tuple(y.shape))")
+            "print(native.status()); print(not p.native, tuple(y.shape))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -127,7 +127,7 @@ def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(dtype: torch.
     from engine.model.attention import masked_attention
 
     cache_k, cache_v, q, pos = _attention_case(dtype)
-    kernel = native.kernels()
+    kernel = native
     k, v = cache_k[1:3, :, :64], cache_v[1:3, :, :64]  # slots 1, 2; a bucket of 64 keys
     got = kernel.attention(q, k, v, pos)
     assert got is not None and got.dtype == dtype and got.shape == q.shape
@@ -147,7 +147,7 @@ def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(dtype: torch.
 @needs_vnni
 def test_attention_rows_past_the_keys_see_them_all_and_other_tensors_are_declined() -> None:
     cache_k, cache_v, q, pos = _attention_case(torch.float32)
-    kernel = native.kernels()
+    kernel = native
     k, v = cache_k[1:3, :, :48], cache_v[1:3, :, :48]
     parked = pos.clone()
     parked[1] = 95  # padding rows of a prefill sit at the cache's last position
@@ -179,7 +179,7 @@ def test_the_delta_rule_runs_in_the_cache_ring_as_the_recurrent_form_does() -> N
     committed = cache.read_state(slots).clone()
     want_o, want_states = recurrent(q, k, v, g, beta, committed)
     src, dst = cache.state_offsets(slots, 3)
-    got = native.kernels().delta_rule(q, k, v, g.exp(), beta, cache.state, src, dst)
+    got = native.delta_rule(q, k, v, g.exp(), beta, cache.state, src, dst)
     assert got is not None
     assert torch.allclose(got, want_o, atol=1e-5)
     at = (index[slots, None] + torch.arange(1, 4)) % ring
@@ -190,7 +190,7 @@ def test_the_delta_rule_runs_in_the_cache_ring_as_the_recurrent_form_does() -> N
     after = cache.state[slots[1:, None], at[1:]].clone()
     for t in range(3):
         src, dst = cache.state_offsets(slots[1:], 1)
-        one = native.kernels().delta_rule(*(x[1:, :, t:t + 1] for x in (q, k, v, g.exp(), beta)),
+        one = native.delta_rule(*(x[1:, :, t:t + 1] for x in (q, k, v, g.exp(), beta)),
                                           cache.state, src, dst)
         assert one is not None and torch.equal(one, window[:, :, t:t + 1])
         assert torch.equal(cache.state[slots[1:], (index[slots[1:]] + 1) % ring], after[:, t])

@@ -19,6 +19,10 @@ from engine.decode.policy import monotone
 from engine.generation import Generation, GenParams, Step
 
 SLOT = ("ahead", "calibration")  # slot keys of their own (and a row number), cleared after
+# Seconds of measuring after which rounds stop (at least one timed round of each number of
+# rows runs): the bundled model's rounds all fit; a 2B model's first rounds already take
+# longer (its load measured for 208 s before this).
+BUDGET_S = 10.0
 
 
 class Stepper(Protocol):
@@ -40,19 +44,31 @@ def row_buckets(max_slots: int) -> list[int]:
 
 
 def measure_costs(engine: Stepper, vocab_size: int, rows: Sequence[int] = (1,),
-                  reps: int = 7, context: int = 1024) -> dict[int, list[float]]:
+                  reps: int = 7, context: int = 1024, *, warmup: bool = True,
+                  budget_s: float = BUDGET_S) -> dict[int, list[float]]:
     """The cost curve of steps of each number of rows: every K for one row; for more rows,
     K = 0, 1, 2, 4 and k_max with fewer rounds, the rest interpolated (a batch's curve has
-    the same shape, and load time matters)."""
+    the same shape, and load time matters). `warmup`: a first round untimed (compiled or
+    captured steps: it compiles them). Rounds stop early once measuring has taken
+    `budget_s` (a large model: seconds a step), after at least one timed round; past it,
+    more rows take one row's curve (each prefills a long prompt of its own). The K policy
+    corrects the curves from the steps that run."""
     if engine.k_max == 0:
         return {r: [1.0] for r in rows}
     n = max(1, min(context, engine.max_seq_len // 2))
     warm = [(i * 7919 + 13) % vocab_size for i in range(n)]
     curves = {}
+    deadline = time.perf_counter() + budget_s
     for r in rows:
+        if r > 1 and 1 in curves and time.perf_counter() > deadline:
+            # out of time (a large model): a batch's curve has one row's shape, and the
+            # policy scales it to the steps that run
+            curves[r] = list(curves[1])
+            continue
         ks = list(range(engine.k_max + 1)) if r == 1 else \
             sorted({k for k in (0, 1, 2, 4, engine.k_max) if k <= engine.k_max})
-        times = _rounds(engine, warm, r, ks, reps if r == 1 else max(2, reps // 2))
+        times = _rounds(engine, warm, r, ks, reps if r == 1 else max(2, reps // 2),
+                        warmup, deadline)
         points = {k: statistics.median(t) for k, t in times.items()}
         curves[r] = monotone([_interpolate(points, k) for k in range(engine.k_max + 1)])
     for r in rows:
@@ -61,20 +77,39 @@ def measure_costs(engine: Stepper, vocab_size: int, rows: Sequence[int] = (1,),
     return curves
 
 
-def _rounds(engine: Stepper, warm: list[int], rows: int, ks: list[int],
-            reps: int) -> dict[int, list[float]]:
+def _rounds(engine: Stepper, warm: list[int], rows: int, ks: list[int], reps: int,
+            warmup: bool, deadline: float) -> dict[int, list[float]]:
+    """Each K's step times: one generation a row runs them all in turns (K set before each
+    pair of steps: the first verifies the last K's drafts and drafts K, the second is timed),
+    started again only when it runs out of room, so the prompt is prefilled once or twice
+    rather than once a K and a round (a recurrent model cannot reuse all of it)."""
     times: dict[int, list[float]] = {k: [] for k in ks}
+    gens: list[Generation] = []
+    room = 2 * (engine.k_max + 1) + 1  # tokens two steps of k_max may commit
     for rep in range(reps + 1):  # the first round warms up every K's shapes
+        if rep > int(warmup) and time.perf_counter() > deadline:
+            break
         for k in ks:
-            gens = [engine.start(warm, GenParams(max_new_tokens=64, k=k), slot=(*SLOT, i))
-                    for i in range(rows)]
-            engine.step(gens)  # the prefills (the caches keep all of them but the last token)
-            engine.step(gens)  # verifies the first drafts, drafts k
+            if not gens or any(g.finish_reason is not None or g.tokens_left() < room
+                               for g in gens):
+                gens = _start(engine, warm, rows)
+            for g in gens:
+                g.params.k = k
+            engine.step(gens)  # verifies the last drafts, drafts k
             t0 = time.perf_counter()
             engine.step(gens)  # verifies k, drafts k
-            if rep:
+            if rep or not warmup:
                 times[k].append(time.perf_counter() - t0)
     return times
+
+
+def _start(engine: Stepper, warm: list[int], rows: int) -> list[Generation]:
+    """Generations of `rows` rows after `warm`, prefilled; as long as the context allows."""
+    new = max(1, engine.max_seq_len - len(warm) - 2 * engine.k_max - 16)
+    params = GenParams(max_new_tokens=new, k=0, stop_loops=False)
+    gens = [engine.start(warm, params, slot=(*SLOT, i)) for i in range(rows)]
+    engine.step(gens)  # the prefills
+    return gens
 
 
 def _interpolate(points: dict[int, float], k: int) -> float:

@@ -137,11 +137,11 @@ def _measure(engine: Calibrating) -> dict[int, list[float]]:
     steps."""
     vocab, rows = engine.model.cfg.vocab_size, row_buckets(engine.max_slots)
     try:
-        return measure_costs(engine, vocab, rows)
+        return measure_costs(engine, vocab, rows, warmup=engine.static or engine.compiled)
     except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
         if not (engine.static or engine.compiled):
             raise
         log.warning("compiled or captured steps failed (%s: %s); running eager",
                     type(e).__name__, e)
         engine.reshape_step(compiled=False, static=False)
-        return measure_costs(engine, vocab, rows)
+        return measure_costs(engine, vocab, rows, warmup=False)

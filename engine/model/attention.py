@@ -87,18 +87,14 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-# Positions a call up to which our kernel attends (decode steps and verify windows); longer
-# calls (prefill chunks) run `masked_attention`, whose batched matmuls reuse each key across
-# rows (ours rereads it per row: a 512-token prefill of Qwen2-1.5B's shapes took 10% longer).
-KERNEL_POSITIONS = 64
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, batch: CacheBatch) -> Tensor:
-    """`masked_attention` of a cached forward; on CPUs where our kernels run, theirs for
-    decode steps and verify windows (engine/native/attention.c: the same softmax in fp32,
-    each row over its own keys only, without torch's copies of the cache)."""
-    if q.device.type == "cpu" and q.shape[2] <= KERNEL_POSITIONS and native.status() == "vnni":
-        y = native.kernels().attention(q, k, v, batch.pos)
+    """`masked_attention` of a cached forward; on CPUs where our kernels run, theirs
+    (engine/native/attention.c: the same softmax in fp32, each row over its own keys only,
+    without torch's copies of the cache). Every cached forward takes the same path, prefill
+    chunks too: a position's bits must not depend on whether a prompt's prefix was reused
+    (then its last token runs alone) or prefilled with it."""
+    if q.device.type == "cpu" and native.available():
+        y = native.attention(q, k, v, batch.pos)
         if y is not None:
             return y
     return masked_attention(q, k, v, batch.mask)

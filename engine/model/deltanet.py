@@ -149,10 +149,10 @@ def _recurrent_in_cache(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         cache: StateCache, slots: Tensor) -> Tensor | None:
     """`recurrent` by our kernel where it runs (AVX-512 CPUs), its states read from and
     written into the cache's ring in place; None elsewhere."""
-    if q.device.type != "cpu" or native.status() != "vnni":
+    if q.device.type != "cpu" or not native.available():
         return None
     src, dst = cache.state_offsets(slots, q.shape[2])
-    return native.kernels().delta_rule(q, k, v, same_path(torch.exp, g), beta, cache.state,
+    return native.delta_rule(q, k, v, same_path(torch.exp, g), beta, cache.state,
                                        src, dst)
 
 

@@ -55,7 +55,7 @@ class QuantError(ValueError):
 class Packed:
     """x W^T + b with W quantized: the same call as `Dense`."""
 
-    __slots__ = ("bias", "bias32", "codes", "group", "kernels", "mode", "native_group",
+    __slots__ = ("bias", "bias32", "codes", "group", "mode", "native", "native_group",
                  "out_features", "packed", "raw_scales", "scales")
 
     def __init__(self, mode: str, codes: Tensor, scales: Tensor, bias: Tensor | None,
@@ -64,13 +64,12 @@ class Packed:
         scales: [N] (int8) or [N, K / group, 2] scale and zero (int4), fp32."""
         self.mode, self.codes, self.group, self.bias = mode, codes, group, bias
         self.out_features, self.raw_scales = codes.shape[0], scales
-        self.kernels: native.Kernels | None = None
+        self.native = False  # our kernels (engine/native) multiply, else torch's
         cuda = codes.device.type == "cuda"
         in_features = codes.shape[1] * (2 if mode == "int4" else 1)
         self.native_group = group or native.group_for(in_features) or 0
-        if not cuda and mode in ("int8", "int4") and native.status() == "vnni" and \
-                self.native_group:
-            self.kernels = native.kernels()
+        if not cuda and mode in ("int8", "int4") and native.available() and self.native_group:
+            self.native = True
             self.packed = native.pack(mode, codes, scales, self.native_group)
             self.scales = scales.new_empty(0)
             self.bias32 = None if bias is None else bias.float().contiguous()
@@ -94,9 +93,9 @@ class Packed:
             self.scales = scales.transpose(0, 1).contiguous().to(ACT)  # [K / group, N, 2]
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.kernels is not None:
-            return self.kernels.linear(x, self.packed, self.bias32, 4 if self.mode == "int4"
-                                       else 8, self.out_features, self.native_group)
+        if self.native:
+            return native.linear(x, self.packed, self.bias32, 4 if self.mode == "int4" else 8,
+                                 self.out_features, self.native_group)
         if self.mode == "int8dyn":
             return self._dynamic(x)
         rows = x.reshape(-1, x.shape[-1]).to(ACT)
@@ -242,7 +241,7 @@ def describe(model: Transformer) -> str:
     packed = packed_weights(model)
     if mode == "none" or not packed:
         return mode
-    if all(p.kernels is not None for p in packed.values()):
+    if all(p.native for p in packed.values()):
         return f"{mode} (vnni kernels)"
     why = native.status() if mode in ("int4", "int8") and \
         model.model.embed_tokens.weight.device.type == "cpu" else ""

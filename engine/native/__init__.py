@@ -60,19 +60,6 @@ class Kernels:
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int]
         self._delta = delta
 
-    def delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
-                   states: Tensor, src: Tensor, dst: Tensor) -> Tensor | None:
-        """`deltanet.recurrent` over q, k [B, H, S, Dk], v [B, H, S, Dv], decay (a_t, not
-        its log) and beta [B, H, S], reading each row's state at element offset src [B] of
-        `states` (fp32, contiguous: the cache's ring) and writing the state after each
-        position at dst [B, S]. Returns o [B, H, S, Dv]; None for shapes it does not take."""
-        if not (states.dtype == torch.float32 and states.is_contiguous()
-                and v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
-            return None
-        if torch.compiler.is_compiling():
-            return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
-        return self.run_delta_rule(q, k, v, decay, beta, states, src, dst)
-
     def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
                        states: Tensor, src: Tensor, dst: Tensor) -> Tensor:
         bsz, heads, seqlen, dk = q.shape
@@ -86,20 +73,6 @@ class Kernels:
             raise ValueError(f"delta rule: shapes the kernel does not take {tuple(v.shape)}")
         return out
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor | None:
-        """softmax(q k^T / sqrt(D)) v for q [B, H, S, D], each row (b, s) over keys
-        0..pos[b, s] of k, v [B, Hkv, kv_len, D] (views of a cache: rows of D contiguous), as
-        `masked_attention` with the mask keys <= pos (a row past the keys sees them all);
-        None where the kernel does not take these tensors (then the caller's path runs)."""
-        if not (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
-                and k.stride() == v.stride() and k.stride(-1) == 1
-                and k.stride(-2) == k.shape[-1] and k.shape[-1] % 16 == 0
-                and k.shape[-1] <= 512):
-            return None
-        if torch.compiler.is_compiling():
-            return torch.ops.ahead.causal_attention(q, k, v, pos)
-        return self.run_attention(q, k, v, pos)
-
     def run_attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
         bsz, heads, seqlen, dim = q.shape
         qf = q.float().contiguous()
@@ -112,15 +85,8 @@ class Kernels:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out.to(q.dtype)
 
-    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
-               group: int) -> Tensor:
-        """x [..., K] (fp32 or bf16) times the weight `pack` made, plus `bias` (fp32)."""
-        if torch.compiler.is_compiling():
-            return torch.ops.ahead.wq_linear(x, w, bias, bits, n, group)
-        return self.run(x, w, bias, bits, n, group)
-
-    def run(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
-            group: int) -> Tensor:
+    def run_linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
+                   group: int) -> Tensor:
         dtype = x.dtype
         rows = x.reshape(-1, x.shape[-1])
         if dtype not in (torch.float32, torch.bfloat16):
@@ -200,6 +166,48 @@ def status() -> str:
     return "vnni" if isinstance(got, Kernels) else got
 
 
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernels run here (a constant to a compiled graph)."""
+    return status() == "vnni"
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) -> Tensor:
+    """x [..., K] (fp32 or bf16) times the weight `pack` made, plus `bias` (fp32)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.wq_linear(x, w, bias, bits, n, group)
+    return kernels().run_linear(x, w, bias, bits, n, group)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor | None:
+    """softmax(q k^T / sqrt(D)) v for q [B, H, S, D], each row (b, s) over keys
+    0..pos[b, s] of k, v [B, Hkv, kv_len, D] (views of a cache: rows of D contiguous), as
+    `masked_attention` with the mask keys <= pos (a row past the keys sees them all);
+    None where the kernel does not take these tensors (then the caller's path runs)."""
+    if not (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
+            and k.stride() == v.stride() and k.stride(-1) == 1
+            and k.stride(-2) == k.shape[-1] and k.shape[-1] % 16 == 0
+            and k.shape[-1] <= 512):
+        return None
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.causal_attention(q, k, v, pos)
+    return kernels().run_attention(q, k, v, pos)
+
+
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
+               src: Tensor, dst: Tensor) -> Tensor | None:
+    """`deltanet.recurrent` over q, k [B, H, S, Dk], v [B, H, S, Dv], decay (a_t, not its
+    log) and beta [B, H, S], reading each row's state at element offset src [B] of `states`
+    (fp32, contiguous: the cache's ring) and writing the state after each position at
+    dst [B, S]. Returns o [B, H, S, Dv]; None for shapes it does not take."""
+    if not (states.dtype == torch.float32 and states.is_contiguous()
+            and v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
+        return None
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
+    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst)
+
+
 def group_for(in_features: int) -> int | None:
     """Inputs an activation group for a layer this wide, or None (not a multiple of 32)."""
     return next((g for g in GROUPS if in_features % g == 0), None)
@@ -255,7 +263,7 @@ def reference(mode: str, codes: Tensor, scales: Tensor, group: int, x: Tensor,
 @torch.library.custom_op("ahead::wq_linear", mutates_args=())
 def _wq_linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
                group: int) -> Tensor:
-    return kernels().run(x, w, bias, bits, n, group)
+    return kernels().run_linear(x, w, bias, bits, n, group)
 
 
 @_wq_linear.register_fake
@@ -270,7 +278,7 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
 
 @_causal_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("ahead::delta_rule", mutates_args=("states",))
@@ -282,4 +290,4 @@ def _delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, st
 @_delta_rule.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
       src: Tensor, dst: Tensor) -> Tensor:
-    return torch.empty_like(v)
+    return v.new_empty(v.shape, dtype=torch.float32)

@@ -43,48 +43,61 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps(~tiny, e);
 }
 
-/* One query row (D floats, D a multiple of 16, at most 512) against keys 0..n-1. */
-static void attend_row(const float *q, const void *k, const void *v, int64_t key_stride,
-                       int64_t n, int64_t D, int bf16, float scale, float *scores, float *out) {
-    __m512 qv[32];
-    for (int64_t j = 0; j < D / 16; j++)
-        qv[j] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * j), _mm512_set1_ps(scale));
-    float max = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < D / 16; j++)
-            acc = _mm512_fmadd_ps(qv[j], load16(k, t * key_stride + 16 * j, bf16), acc);
-        float s = _mm512_reduce_add_ps(acc);
-        scores[t] = s;
-        max = s > max ? s : max;
+#define MAX_TILE 4
+
+/* Up to MAX_TILE query rows of one head (D floats each, D a multiple of 16, at most 512)
+   against keys 0..n[r]-1: each key and value is loaded once for all the rows that see it.
+   A row's arithmetic is the same whatever rows share its tile: its dot products over D in
+   fixed lanes, its sums over keys in key order. */
+static void attend_rows(const float *const *q, const int64_t *n, int rows, const void *k,
+                        const void *v, int64_t D, int bf16, float scale, float *const *scores,
+                        float *const *out) {
+    const int64_t nd = D / 16;
+    int64_t longest = 0;
+    for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t t = 0; t < longest; t++) {
+        __m512 acc[MAX_TILE];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nd; j++) {
+            const __m512 kj = load16(k, t * D + 16 * j, bf16);
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * j), sc), kj,
+                                         acc[r]);
+        }
+        for (int r = 0; r < rows; r++)
+            if (t < n[r]) scores[r][t] = _mm512_reduce_add_ps(acc[r]);
     }
-    /* probabilities in lanes of 16, summed lane-wise then across lanes: a fixed order */
-    __m512 sum16 = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t),
-                                                 _mm512_set1_ps(max)));
-        _mm512_storeu_ps(scores + t, e);
-        sum16 = _mm512_add_ps(sum16, e);
+    float inv[MAX_TILE];
+    for (int r = 0; r < rows; r++) {  /* probabilities in lanes of 16: a fixed order */
+        float *s = scores[r], max = -INFINITY;
+        for (int64_t t = 0; t < n[r]; t++) max = s[t] > max ? s[t] : max;
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n[r]; t += 16) {
+            const __mmask16 m = n[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (n[r] - t)) - 1);
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t),
+                                                     _mm512_set1_ps(max)));
+            e = _mm512_maskz_mov_ps(m, e);
+            _mm512_mask_storeu_ps(s + t, m, e);
+            sum16 = _mm512_add_ps(sum16, e);
+        }
+        inv[r] = 1.0f / _mm512_reduce_add_ps(sum16);
     }
-    if (t < n) {
-        __mmask16 m = (__mmask16)((1u << (n - t)) - 1);
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + t),
-                                                 _mm512_set1_ps(max)));
-        e = _mm512_maskz_mov_ps(m, e);
-        _mm512_mask_storeu_ps(scores + t, m, e);
-        sum16 = _mm512_add_ps(sum16, e);
+    __m512 acc[MAX_TILE * 32];
+    for (int64_t i = 0; i < rows * nd; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < longest; t++) {
+        for (int64_t j = 0; j < nd; j++) {
+            const __m512 vj = load16(v, t * D + 16 * j, bf16);
+            for (int r = 0; r < rows; r++)
+                if (t < n[r])
+                    acc[r * nd + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][t]), vj,
+                                                      acc[r * nd + j]);
+        }
     }
-    const float inv = 1.0f / _mm512_reduce_add_ps(sum16);
-    __m512 acc[32];
-    for (int64_t j = 0; j < D / 16; j++) acc[j] = _mm512_setzero_ps();
-    for (t = 0; t < n; t++) {
-        __m512 p = _mm512_set1_ps(scores[t]);
-        for (int64_t j = 0; j < D / 16; j++)
-            acc[j] = _mm512_fmadd_ps(p, load16(v, t * key_stride + 16 * j, bf16), acc[j]);
-    }
-    for (int64_t j = 0; j < D / 16; j++)
-        _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(inv)));
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nd; j++)
+            _mm512_storeu_ps(out[r] + 16 * j, _mm512_mul_ps(acc[r * nd + j],
+                                                            _mm512_set1_ps(inv[r])));
 }
 
 /* out [B, H, S, D] (fp32) = attention of q [B, H, S, D] (fp32, contiguous) over the keys
@@ -101,7 +114,7 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(kv_len + 16));
+        float *scores = malloc(sizeof(float) * (size_t)(kv_len + 16) * MAX_TILE);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -115,14 +128,26 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                                       : (const void *)((const float *)k + off);
                 const void *vh = bf16 ? (const void *)((const uint16_t *)v + off)
                                       : (const void *)((const float *)v + off);
-                for (int64_t s = 0; s < S; s++) {
-                    const int64_t row = (b * H + h) * S + s, p = pos[b * S + s];
-                    const int64_t n = p < 0 ? 0 : p >= kv_len ? kv_len : p + 1;
-                    if (n == 0)
-                        memset(out + row * D, 0, sizeof(float) * (size_t)D);
-                    else
-                        attend_row(q + row * D, kh, vh, D, n, D, bf16, scale, scores,
-                                   out + row * D);
+                /* rows a tile: as many as keep their accumulators in registers */
+                const int tile = D <= 64 ? 4 : D <= 128 ? 3 : 1;
+                for (int64_t s0 = 0; s0 < S; s0 += tile) {
+                    const float *qs[MAX_TILE];
+                    float *outs[MAX_TILE], *sc[MAX_TILE];
+                    int64_t ns[MAX_TILE];
+                    int rows = 0;
+                    for (int64_t s = s0; s < S && s < s0 + tile; s++) {
+                        const int64_t row = (b * H + h) * S + s, p = pos[b * S + s];
+                        const int64_t n = p < 0 ? 0 : p >= kv_len ? kv_len : p + 1;
+                        if (n == 0) {
+                            memset(out + row * D, 0, sizeof(float) * (size_t)D);
+                            continue;
+                        }
+                        qs[rows] = q + row * D;
+                        outs[rows] = out + row * D;
+                        sc[rows] = scores + rows * (kv_len + 16);
+                        ns[rows++] = n;
+                    }
+                    if (rows) attend_rows(qs, ns, rows, kh, vh, D, bf16, scale, sc, outs);
                 }
             }
         free(scores);
