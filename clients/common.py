@@ -68,11 +68,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
     p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
-    p.add_argument("--quant", choices=["none", "int8", "int4", "int8dyn"],
+    p.add_argument("--quant", choices=["auto", "none", "int8", "int4", "int8dyn"],
                    help="quantized weights for every matmul (int8, int4: our kernels on "
-                   "AVX-512 VNNI CPUs, else torch's; int8dyn: int8 activations, torch's "
-                   "integer matmul); codes kept in ~/.cache/ahead/quant (default: the "
-                   "config's, else none)")
+                   "AVX-512 VNNI CPUs, else torch's; int8dyn: torch's integer matmul; auto: "
+                   "int8 for a model of 1 GB or more where our kernels run, else none); "
+                   "codes kept in ~/.cache/ahead/quant (default: the config's, else auto)")
     for name, what in (("graphs", "replay the decode step as CUDA graphs"),
                        ("compile", "torch.compile the decode step"),
                        ("exact", "keep output bit-identical to plain decoding even where "

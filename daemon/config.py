@@ -3,7 +3,8 @@
     model = "/path/to/checkpoint"   # default: the bundled model
     device = "cuda"                  # default: cuda when available
     dtype = "bf16"                   # fp32 | bf16 | fp16
-    quant = "none"                   # none | int8 | int4 (weights) | int8dyn (and activations)
+    quant = "auto"                   # auto (int8 for a model of 1 GB+ where our CPU kernels
+                                     # run, else none) | none | int8 | int4 | int8dyn
     draft_vocab = 32768              # tokens a draft scores (the most frequent in code); 0: all
     idle_timeout = 1800              # seconds; 0 = never exit
     max_seq_len = 4096
@@ -57,7 +58,7 @@ def switch(value: str | None) -> bool | None:
 
 
 BACKENDS = ("local", "openai")
-QUANT_MODES = ("none", "int8", "int4", "int8dyn")  # engine.model.quant.MODES, torch-free
+QUANT_MODES = ("auto", "none", "int8", "int4", "int8dyn")  # engine.model.quant.MODES
 # Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
 MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.25
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
@@ -72,7 +73,7 @@ class Settings:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
-    quant: str = "none"
+    quant: str = "auto"
     draft_vocab: int = 32768
     idle_timeout: float = 1800.0
     max_seq_len: int = 4096

@@ -33,7 +33,7 @@ from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, promised
 from engine.generation import Generation, GenParams, Step
 from engine.model.hub import resolve_model
-from engine.model.quant import QuantCache, quantize_model
+from engine.model.quant import QuantCache, quantize_model, resolve
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.paths import cache_dir
@@ -110,8 +110,8 @@ class Engine:
         model = load_model(model_dir, device=device, dtype=dtype)
         root = quant_cache.parent if quant_cache else cache_dir("")
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
-                                               quant=quant, slots=slots, k_max=k_max,
-                                               max_seq_len=max_seq_len, exact=exact,
+                                               quant=resolve(model, quant), slots=slots,
+                                               k_max=k_max, max_seq_len=max_seq_len, exact=exact,
                                                fixed_shapes=fixed_shapes, draft=draft_vocab)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,

@@ -34,7 +34,7 @@ from tests.conftest import load_exact
 from tests.test_identity import run_batched
 from training.synthetic import write_checkpoint
 
-QUANTS = [m for m in MODES if m != "none"]
+QUANTS = [m for m in MODES if m not in ("none", "auto")]
 
 
 @pytest.mark.parametrize("mode", QUANTS)
@@ -154,3 +154,19 @@ def test_the_cli_runs_a_quantized_model_and_status_names_it(trained_dir: Path,
                           str(trained_dir), "x", "--no-daemon", "--quant", "int3"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "int3" in bad.stderr
+
+
+def test_auto_quantizes_a_large_model_where_the_kernels_run_and_leaves_a_small_one(
+        hybrid_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import native
+    from engine.model.quant import describe
+
+    small = Engine.load(hybrid_dir, quant="auto")
+    assert small.model.quant == "none" and describe(small.model) == "none (auto)"
+    monkeypatch.setattr("engine.model.quant.AUTO_BYTES", 1)  # every model is large
+    large = Engine.load(hybrid_dir, quant="auto")
+    if native.available():
+        assert large.model.quant == "int8"
+        assert describe(large.model) == "int8 (vnni kernels) (auto)"
+    else:  # torch's one-row kernels do not pay for themselves: auto keeps the weights
+        assert large.model.quant == "none"

@@ -46,7 +46,8 @@ class Transformer(nn.Module):
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).
         self.draft_head: Callable[[Tensor], Tensor] | None = None
-        self.quant = "none"
+        self.quant = "none"  # what runs (model/quant.py), and what was asked for (auto)
+        self.quant_asked = "none"
         self.apply(_init_weights)
 
     @property
