@@ -57,7 +57,7 @@ def measure_costs(engine: Stepper, vocab_size: int, rows: Sequence[int] = (1,),
         return {r: [1.0] for r in rows}
     n = max(1, min(context, engine.max_seq_len // 2))
     warm = [(i * 7919 + 13) % vocab_size for i in range(n)]
-    curves = {}
+    curves: dict[int, list[float]] = {}
     deadline = time.perf_counter() + budget_s
     for r in rows:
         if r > 1 and 1 in curves and time.perf_counter() > deadline:
