@@ -16,9 +16,9 @@ quarter of fp32, int4 an eighth (plus its scales). Who multiplies:
 
 Measured on a 2-core AVX-512/AMX CPU, one thread, Qwen2-1.5B's shapes, bf16, a step after
 512 tokens (`ahead bench engine --preset qwen2-1.5b --quant ...`): plain step int4 94 ms with
-our kernels, 163 with torch's; int8 144 and 282 (bf16 unquantized 446). torch's kernels run
-one row at a time: a verify of 4 rows cost them 1.6-2x a plain step, and a 512-token prefill
-6x bf16's.
+our kernels, 163 with torch's; int8 144 and 282 (bf16 unquantized 371; 446 before our
+attention kernel). torch's kernels run one row at a time: a verify of 4 rows cost them
+1.6-2x a plain step, and a 512-token prefill 6x bf16's.
 
 Codes are computed from the loaded weights (round to nearest; int4 asymmetric, min-max per
 group), kept on disk beside nothing of the checkpoint: `QuantCache` names a file by the
@@ -46,7 +46,7 @@ from engine.paths import checkpoint_identity, write_replacing
 MODES = ("auto", "none", "int8", "int4", "int8dyn")
 GROUP = 128
 # auto: int8 where our kernels run and the matmuls' weights take at least this many bytes as
-# loaded. Measured on a 2-core AVX-512 CPU: Qwen2-1.5B's shapes (3 GB in bf16) step 2.8x
+# loaded. Measured on a 2-core AVX-512 CPU: Qwen2-1.5B's shapes (3 GB in bf16) step 2.6x
 # faster in int8 (llama.cpp Q8_0's error: weights and activations in 8 bits); int4 stays a
 # choice (more error). The bundled model (32 MB in fp32) decodes 1.2x faster in int8 with the
 # same held-out loss, but it stays as trained until the quality bench says the same of it.
