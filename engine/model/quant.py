@@ -242,8 +242,8 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
             c, s, g = encode(weight, mode)
         codes[name] = (c, s, g)
         packed = Packed(mode, c.to(weight.device), s.to(weight.device), bias, g)
-        if mode == "int4" and name != "head":  # the repacked form runs; only the head's
-            packed.codes = c.new_empty(0)       # codes serve again (the draft head's rows)
+        if name != "head" and (mode == "int4" or packed.native):  # the repacked form runs;
+            packed.codes = c.new_empty(0)  # only the head's codes serve again (draft rows)
         total += packed.nbytes()
         _install(model, owner, attr, packed)
     if cache is not None and stored is None:

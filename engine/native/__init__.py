@@ -48,7 +48,7 @@ class Kernels:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-        self._fn = fn
+        self._linear = fn
         att = lib.causal_attention
         att.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -93,7 +93,7 @@ class Kernels:
             rows = rows.float()
         rows = rows.contiguous()
         y = torch.empty(rows.shape[0], n, dtype=rows.dtype)
-        if self._fn(w.data_ptr(), bits, n, rows.shape[1], group,
+        if self._linear(w.data_ptr(), bits, n, rows.shape[1], group,
                     None if bias is None else bias.data_ptr(), rows.data_ptr(), y.data_ptr(),
                     rows.shape[0], int(rows.dtype == torch.bfloat16),
                     torch.get_num_threads()) != 0:
