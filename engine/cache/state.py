@@ -57,25 +57,24 @@ class StateCache:
         """The states after each of S positions, conv [B, S, C, K-1] and state
         [B, S, H, Dk, Dv], into the ring entries after the committed one."""
         self.write_conv(slots, conv)
-        steps = torch.arange(1, conv.shape[1] + 1, device=slots.device)
-        at = (self.index[slots, None] + steps) % self.ring  # [B, S]
-        self.state[slots[:, None], at] = state
+        self.state[slots[:, None], self._after(slots, state.shape[1])] = state
 
     def write_conv(self, slots: Tensor, conv: Tensor) -> None:
         """The conv states after each of S positions [B, S, C, K-1] (as `write`)."""
-        steps = torch.arange(1, conv.shape[1] + 1, device=slots.device)
-        at = (self.index[slots, None] + steps) % self.ring  # [B, S]
-        self.conv[slots[:, None], at] = conv.to(self.conv.dtype)
+        self.conv[slots[:, None], self._after(slots, conv.shape[1])] = conv.to(self.conv.dtype)
 
     def state_offsets(self, slots: Tensor, positions: int) -> tuple[Tensor, Tensor]:
         """Where in `self.state` (elements from its start) the committed delta-rule state of
         each of `slots` is [B], and where the state after each of `positions` goes [B, S]
         (the ring entries `write` fills)."""
-        entry = self.state[0, 0].numel()
+        entry, first = self.state[0, 0].numel(), slots * self.ring
+        return (first + self.index[slots]) * entry, \
+            (first[:, None] + self._after(slots, positions)) * entry
+
+    def _after(self, slots: Tensor, positions: int) -> Tensor:
+        """The ring entries [B, S] of the states after each of `positions` positions."""
         steps = torch.arange(1, positions + 1, device=slots.device)
-        at = self.index[slots]
-        ring = slots * self.ring
-        return (ring + at) * entry, (ring[:, None] + (at[:, None] + steps) % self.ring) * entry
+        return (self.index[slots, None] + steps) % self.ring
 
     def clear(self, slots: Tensor) -> None:
         """The committed states of `slots` back to zero (nothing seen yet)."""
