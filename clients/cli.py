@@ -95,19 +95,19 @@ def _bench_steps(args: argparse.Namespace) -> int:
     def progress(what: str) -> None:
         print(f"bench: {what}", file=sys.stderr, flush=True)
 
+    import functools
+
+    import torch
+
+    from clients.bench.peer import PeerError, peer_steps
+
     peer = None
     if args.peer:
-        import functools
-
-        import torch
-
-        from clients.bench.peer import peer_steps
         if not args.peer_model:
             raise CliError("--peer needs --peer-model (the same shapes as a GGUF file)")
         peer = functools.partial(peer_steps, Path(args.peer), Path(args.peer_model),
                                  threads=torch.get_num_threads(), k_max=engine.k_max,
                                  synthetic=synthetic)
-    from clients.bench.peer import PeerError
     try:
         result = bench_steps(engine, context=args.context or 2000,
                              new_tokens=args.max_new_tokens, ks=ks, slots=args.slots,
