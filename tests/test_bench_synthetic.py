@@ -35,8 +35,10 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
     r = json.loads(out.read_text())
     assert set(r["tokens_per_s_by_k"]) == {"1", "2"} and r["identical_to_ar"] is None
     assert r["synthetic_acceptance"] == [1.0, 1.0]
-    # every draft kept: K=2 makes 3 tokens a step for well under 2 plain steps' time
-    assert r["tokens_per_s_by_k"]["2"] > 1.3 * r["ar_tokens_per_s"]
+    # every draft kept: K=2 makes 3 tokens a step (the last may be cut by the token limit);
+    # what that buys in tokens/s is the bench's figure, not a test's
+    assert 2.5 <= r["tokens_per_step_by_k"]["2"] <= 3
+    assert 1.5 <= r["tokens_per_step_by_k"]["1"] <= 2
     bad = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
                           "tiny-qwen3", "--synthetic-acceptance", "0.9,1.5"],
                          capture_output=True, text=True, timeout=600)

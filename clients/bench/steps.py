@@ -80,13 +80,14 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     out["ar_step_ms"] = statistics.median(ar_steps) * 1e3
     out["ar_tokens_per_s"] = 1e3 / out["ar_step_ms"]
     identical = True
-    out["step_ms_by_k"], out["tokens_per_s_by_k"] = {}, {}
+    out["step_ms_by_k"], out["tokens_per_s_by_k"], out["tokens_per_step_by_k"] = {}, {}, {}
     for k in ks:
         say(f"K={k}")
         tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, k=k, stop_loops=False))
         identical &= tokens == plain
         out["step_ms_by_k"][str(k)] = statistics.median(times) * 1e3
         out["tokens_per_s_by_k"][str(k)] = (len(tokens) - 1) / sum(times)
+        out["tokens_per_step_by_k"][str(k)] = (len(tokens) - 1) / len(times)
     tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, stop_loops=False))
     identical &= tokens == plain
     out["adaptive_tokens_per_s"] = (len(tokens) - 1) / sum(times)
