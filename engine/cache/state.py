@@ -43,14 +43,12 @@ class StateCache:
         self.conv, self.state = states(ring)
         self.saved_conv, self.saved_state = states(saved)
 
-    def read(self, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """The committed conv [B, C, K-1] and recurrent [B, H, Dk, Dv] states of `slots`."""
-        return self.read_conv(slots), self.read_state(slots)
-
     def read_conv(self, slots: Tensor) -> Tensor:
+        """The committed conv states [B, C, K-1] of `slots`."""
         return self.conv[slots, self.index[slots]]
 
     def read_state(self, slots: Tensor) -> Tensor:
+        """The committed delta-rule states [B, H, Dk, Dv] of `slots`."""
         return self.state[slots, self.index[slots]]
 
     def write(self, slots: Tensor, conv: Tensor, state: Tensor) -> None:

@@ -44,7 +44,7 @@ from engine.model.transformer import Transformer
 from engine.paths import checkpoint_identity, write_replacing
 
 MODES = ("auto", "none", "int8", "int4", "int8dyn")
-GROUP = 128
+GROUP = native.GROUPS[0]  # inputs an int4 group (128), narrower layers less
 # auto: int8 where our kernels run and the matmuls' weights take at least this many bytes as
 # loaded. Measured on a 2-core AVX-512 CPU: Qwen2-1.5B's shapes (3 GB in bf16) step 2.6x
 # faster in int8 (llama.cpp Q8_0's error: weights and activations in 8 bits); int4 stays a
@@ -147,11 +147,12 @@ class QuantLinear(nn.Module):
 
 
 def group_size(in_features: int) -> int:
-    """Inputs per int4 group: GROUP, or the largest of 64, 32 that divides a narrower row."""
-    for g in (GROUP, 64, 32):
-        if in_features % g == 0:
-            return g
-    raise QuantError(f"int4 needs a layer width divisible by 32, not {in_features}")
+    """Inputs per int4 group: GROUP, or the largest of 64, 32 that divides a narrower row
+    (the kernels' activation groups are the same)."""
+    group = native.group_for(in_features)
+    if group is None:
+        raise QuantError(f"int4 needs a layer width divisible by 32, not {in_features}")
+    return group
 
 
 def encode(weight: Tensor, mode: str) -> tuple[Tensor, Tensor, int]:
