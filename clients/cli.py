@@ -72,6 +72,12 @@ def _bench_steps(args: argparse.Namespace) -> int:
     from clients.common import engine_options
 
     opts = engine_options(args)
+    if args.peer:  # checked before minutes of our own runs, not after them
+        if not args.peer_model:
+            raise CliError("--peer needs --peer-model (the same shapes as a GGUF file)")
+        for path, what in ((args.peer, "llama-server binary"), (args.peer_model, "GGUF model")):
+            if not Path(path).is_file():
+                raise CliError(f"{what} {path} does not exist")
     if args.preset:
         try:
             engine = preset_engine(args.preset, **opts)
@@ -103,8 +109,6 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
     peer = None
     if args.peer:
-        if not args.peer_model:
-            raise CliError("--peer needs --peer-model (the same shapes as a GGUF file)")
         peer = functools.partial(peer_steps, Path(args.peer), Path(args.peer_model),
                                  threads=torch.get_num_threads(), k_max=engine.k_max,
                                  synthetic=synthetic)
