@@ -40,9 +40,13 @@ def trace(engine: Engine, prompts: list[list[int]], ks: tuple[int | None, ...]) 
 
 
 def test_graph_replay_equals_the_eager_step(graphed: Engine, model_dir: Path) -> None:
+    """Fixed K on every row: an adaptive row's K comes from each engine's own measured step
+    costs (a replayed step costs a tenth of an eager one), so the two would draft differently
+    by design (on the H100: two drafts against none). Adaptive rows are checked
+    against plain decoding below."""
     eager = load(model_dir, graphs=False, compile=False, fixed_shapes=True)
     prompts = code_prompts(graphed, 3)
-    for ks in ((1, 8, None), (None, None, 4)):
+    for ks in ((1, 8, 3), (5, 2, 4)):
         assert trace(graphed, prompts, ks) == trace(eager, prompts, ks)
     assert graphed.graphs and graphed.captured > 0
 

@@ -71,8 +71,8 @@ def decode_step(model: Transformer, caches: Caches, state: DecodeState, slots: T
         draft_chain(model, caches, state, slots, last, state.lengths[slots], k, shape.kv_len,
                     row_sampling(state, slots, shape), confident=shape.confident,
                     early_exit=shape.early_exit, draft=fns.draft, span=shape.span)
-    else:
-        state.num_drafts[slots] = 0
+    else:  # a scalar by value: `[slots] = 0` would copy a host tensor, which no graph captures
+        state.num_drafts.index_fill_(0, slots, 0)
     made = state.tokens[slots, 1:k + 1]
     return torch.cat([out.double(), n[:, None].double(), state.num_drafts[slots, None].double(),
                       made.double(), state.confidence[slots, :k].double(), logp.double()], dim=1)
