@@ -143,5 +143,8 @@ def _measure(engine: Calibrating) -> dict[int, list[float]]:
             raise
         log.warning("compiled or captured steps failed (%s: %s); running eager",
                     type(e).__name__, e)
-        engine.reshape_step(compiled=False, static=False)
+        # On a GPU the step keeps its one shape: what the probe found exact holds for it (the
+        # kernels a library picks move with the rows and keys of a call).
+        cuda = engine.device.type == "cuda"
+        engine.reshape_step(compiled=False, static=engine.static and cuda)
         return measure_costs(engine, vocab, rows, warmup=False)
