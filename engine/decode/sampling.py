@@ -78,7 +78,7 @@ class RowSampling:
              ) -> tuple[Tensor, Tensor | None]:
         """A token per row of logits [B, S, V] (pos [B, S]: where each is drawn), and the
         distributions sampled rows drew from (None when every row is greedy)."""
-        greedy = logits.argmax(-1)
+        greedy = logits.float().argmax(-1)  # fp32: see accept_greedy
         if not self.sampled:
             return greedy, None
         probs = self.probs(logits)
