@@ -61,6 +61,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
     result["exact"] = engine.exactness
+    result["load_s"] = engine.load_seconds
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -54,7 +54,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.calibration = calibration
         model.fuse()
+        t0 = time.perf_counter()
         quantize_model(model, quant, quant_cache)
+        quant_s = time.perf_counter() - t0
         reduced.install(model, tokenizer, draft_vocab)
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -70,6 +72,8 @@ class Engine:
         auto = self.dtype != torch.float32 or self.device.type != "cpu"
         self.exact_asked, self.exact = exact, auto if exact is None else exact
         self.exactness = promised(exact, self.exact)  # what `ahead status` says of it
+        # Where loading went (Engine.load, calibrate): `ahead status` shows it.
+        self.load_seconds: dict[str, float] = {"quant": quant_s}
         # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
                              widest=self.width)
@@ -107,7 +111,9 @@ class Engine:
              draft_vocab: int = reduced.SIZE) -> Engine:
         """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it)."""
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
+        t0 = time.perf_counter()
         model = load_model(model_dir, device=device, dtype=dtype)
+        weights_s = time.perf_counter() - t0
         root = quant_cache.parent if quant_cache else cache_dir("")
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
                                                quant=resolve(model, quant), slots=slots,
@@ -119,6 +125,7 @@ class Engine:
                      draft_vocab=draft_vocab,
                      quant_cache=QuantCache(quant_cache or cache_dir("quant"), Path(model_dir)))
         engine.model_dir = Path(model_dir)
+        engine.load_seconds = {"weights": weights_s, **engine.load_seconds}
         engine.calibrate()
         return engine
 

@@ -199,6 +199,7 @@ async def test_status_reports_counters(daemon: Server) -> None:
     assert info["counts"]["completions"] == 1 and info["latency_ms"]["n"] == 2
     assert info["step"] == "eager"  # how the step runs: the CPU default
     assert info["exact"] == "off (auto: fp32 on the CPU, where it costs)"
+    assert info["load_s"]["weights"] > 0 and "costs" in info["load_s"]
     assert set(info["acceptance_by_position"]) == {"code", "comment", "string"}
     await client.close()
 

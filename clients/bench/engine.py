@@ -220,4 +220,12 @@ def format_report(result: dict[str, Any]) -> str:
     lines.append(f"identical to autoregressive: {result['identical_to_ar']} "
                  f"({result['num_prompts']} prompts, {result['timed_prompts']} timed, "
                  f"medians over prompts; exact: {result.get('exact', '-')})")
+    if "load_s" in result:
+        lines.append(load_line(result["load_s"]))
     return "\n".join(lines)
+
+
+def load_line(seconds: dict[str, float]) -> str:
+    """Where loading went (`Engine.load_seconds`); "costs" holds compiling and capturing."""
+    names = {"costs": "step costs (compiling, capturing)"}
+    return "load: " + ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in seconds.items())

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from clients.bench.engine import load_line
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
 from engine.model.config import PRESETS
@@ -71,7 +72,8 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
     ks = ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]
     out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
-                           "exact": engine.exactness, "quant": describe(engine.model)}
+                           "exact": engine.exactness, "quant": describe(engine.model),
+                           "load_s": engine.load_seconds}
     say("prefill")
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     say("plain decoding")
@@ -228,6 +230,8 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines.append(f"identical to plain decoding: {r['identical_to_ar']} "
                      f"(exact: {r['exact']})")
+    if "load_s" in r:
+        lines.append(load_line(r["load_s"]))
     if "peer" in r:
         lines.append(_peer_line(r["peer"], r["ar_tokens_per_s"],
                                 max(r.get("tokens_per_s_by_k", {}).values(), default=0.0)))

@@ -88,6 +88,7 @@ class LocalBackend:
                 "step": step_mode(self.engine),
                 "exact": self.engine.exactness,
                 "quant": describe(self.engine.model),
+                "load_s": {k: round(v, 2) for k, v in self.engine.load_seconds.items()},
                 **self._memory(),
                 **self.engine.policy.report()}
 

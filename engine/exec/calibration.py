@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import platform
+import time
 from collections.abc import Hashable
 from dataclasses import asdict
 from pathlib import Path
@@ -93,6 +94,7 @@ class Calibrating(Stepper, Protocol):
     exact: bool
     exact_asked: bool | None
     exactness: str
+    load_seconds: dict[str, float]
     compiled: bool
     graphs: bool
     static: bool
@@ -107,18 +109,24 @@ def calibrate(engine: Calibrating) -> None:
     is also their warm-up."""
     eager = not (engine.compiled or engine.graphs)
     stored = engine.calibration.read() if engine.calibration and eager else None
+    seconds = engine.load_seconds
+    t0 = time.perf_counter()
     found = stored[0] if stored else probe(engine.model, engine.width, engine.max_slots) \
         if engine.exact else Invariance.unconstrained()
     engine.invariance = found
     if not found.exact:
         _without_exactness(engine, found.reason or "")
+    t1 = time.perf_counter()
     costs = stored[1] if stored else _measure(engine)
     engine.policy.set_costs(costs)
     if engine.calibration and eager and not stored:
         engine.calibration.write(found, costs)
+    t2 = time.perf_counter()
     if engine.static:  # compile or capture the adaptive step too, before any request
         engine.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))
         engine.clear_cache(("ahead", "warm"))
+    # "costs" holds the compiling and capturing of the steps it measures (their warm-up)
+    seconds |= {"probe": t1 - t0, "costs": t2 - t1, "warm-up": time.perf_counter() - t2}
 
 
 def _without_exactness(engine: Calibrating, reason: str) -> None:

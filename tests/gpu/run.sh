@@ -44,6 +44,7 @@ first() {  # `ahead serve` to the first suggestion, with the compile caches of /
         python3 -m clients.cli generate "def fibonacci(n):" --device cuda --stats
     local rc=$?
     echo "serve to first suggestion, $1: $(since "$s") s"
+    python3 -m clients.cli status | grep -E "^ *(step|exact|load_s):"  # where loading went
     return $rc
 }
 export -f first since
