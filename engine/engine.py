@@ -54,9 +54,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.calibration = calibration
         model.fuse()
-        t0 = time.perf_counter()
         quantize_model(model, quant, quant_cache)
-        quant_s = time.perf_counter() - t0
         reduced.install(model, tokenizer, draft_vocab)
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -72,8 +70,7 @@ class Engine:
         auto = self.dtype != torch.float32 or self.device.type != "cpu"
         self.exact_asked, self.exact = exact, auto if exact is None else exact
         self.exactness = promised(exact, self.exact)  # what `ahead status` says of it
-        # Where loading went (Engine.load, calibrate): `ahead status` shows it.
-        self.load_seconds: dict[str, float] = {"quant": quant_s}
+        self.load_seconds: dict[str, float] = {}  # where loading went: Engine.load, calibrate
         # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
                              widest=self.width)
@@ -111,9 +108,7 @@ class Engine:
              draft_vocab: int = reduced.SIZE) -> Engine:
         """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it)."""
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
-        t0 = time.perf_counter()
-        model = load_model(model_dir, device=device, dtype=dtype)
-        weights_s = time.perf_counter() - t0
+        t0, model = time.perf_counter(), load_model(model_dir, device=device, dtype=dtype)
         root = quant_cache.parent if quant_cache else cache_dir("")
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
                                                quant=resolve(model, quant), slots=slots,
@@ -125,7 +120,7 @@ class Engine:
                      draft_vocab=draft_vocab,
                      quant_cache=QuantCache(quant_cache or cache_dir("quant"), Path(model_dir)))
         engine.model_dir = Path(model_dir)
-        engine.load_seconds = {"weights": weights_s, **engine.load_seconds}
+        engine.load_seconds["weights"] = time.perf_counter() - t0  # quantizing included
         engine.calibrate()
         return engine
 
@@ -318,8 +313,7 @@ class Engine:
 
     def _rows(self, live: int) -> int:
         """Rows a step of `live` generations runs (padded ones included)."""
-        padded = self.static or not self.invariance.batch_invariant
-        return self.max_slots if padded else live
+        return self.max_slots if self.static or not self.invariance.batch_invariant else live
 
     def _kv_len(self, n: int) -> int:
         """Keys a forward reading positions < n attends over."""
@@ -371,8 +365,7 @@ class Engine:
         compiled variant whatever the warm-up happened to draft, for a softmax a draft)."""
         return self.static or any(adaptive for _, _, adaptive in plans)
 
-    def _set_plans(self, index: list[int], plans: list[tuple[int, int, bool]],
-                   rows: int) -> None:
+    def _set_plans(self, index: list[int], plans: list[tuple[int, int, bool]], rows: int) -> None:
         self.state.set_rows(index, plan=[[k, floor, int(adaptive)] for k, floor, adaptive in plans])
         if any(adaptive for _, _, adaptive in plans):
             accept, unit = self.policy.chain_plan(rows)

@@ -119,7 +119,7 @@ def test_bench_engine_reports_every_mode(random_dir: Path, tmp_path: Path) -> No
     assert "adaptive / fixed K" in proc.stdout
     assert isinstance(result["acceptance_by_position"], list)
     # where loading went, phase by phase
-    assert set(result["load_s"]) == {"weights", "quant", "probe", "costs", "warm-up"}
+    assert set(result["load_s"]) == {"weights", "probe", "costs", "warm-up"}
     assert result["load_s"]["weights"] > 0 and result["load_s"]["costs"] > 0
     assert "load: weights" in proc.stdout and "step costs (compiling, capturing)" in proc.stdout
 

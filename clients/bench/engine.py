@@ -227,5 +227,6 @@ def format_report(result: dict[str, Any]) -> str:
 
 def load_line(seconds: dict[str, float]) -> str:
     """Where loading went (`Engine.load_seconds`); "costs" holds compiling and capturing."""
-    names = {"costs": "step costs (compiling, capturing)"}
+    names = {"weights": "weights (reading, quantizing)",
+             "costs": "step costs (compiling, capturing)"}
     return "load: " + ", ".join(f"{names.get(k, k)} {v:.1f} s" for k, v in seconds.items())
