@@ -109,7 +109,6 @@ def calibrate(engine: Calibrating) -> None:
     is also their warm-up."""
     eager = not (engine.compiled or engine.graphs)
     stored = engine.calibration.read() if engine.calibration and eager else None
-    seconds = engine.load_seconds
     t0 = time.perf_counter()
     found = stored[0] if stored else probe(engine.model, engine.width, engine.max_slots) \
         if engine.exact else Invariance.unconstrained()
@@ -126,7 +125,7 @@ def calibrate(engine: Calibrating) -> None:
         engine.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))
         engine.clear_cache(("ahead", "warm"))
     # "costs" holds the compiling and capturing of the steps it measures (their warm-up)
-    seconds |= {"probe": t1 - t0, "costs": t2 - t1, "warm-up": time.perf_counter() - t2}
+    engine.load_seconds |= {"probe": t1 - t0, "costs": t2 - t1, "warm-up": time.perf_counter() - t2}
 
 
 def _without_exactness(engine: Calibrating, reason: str) -> None:
