@@ -93,7 +93,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
     q = state.draft_probs[slots, :width - 1] if shape.sampled else None
-    logits = model.head(h)  # [B, W, V]
+    logits = model.head(h).float()  # [B, W, V]: once for the argmax, log-probs and p
     out, n = accept(tokens[:, 1:], logits, state.num_drafts[slots], q,
                     row_sampling(state, slots, shape), pos + 1)
     if state.synthetic is not None:  # a benchmark's chosen acceptance
