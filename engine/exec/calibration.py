@@ -135,8 +135,7 @@ def _without_exactness(engine: Calibrating, reason: str) -> None:
     engine.exact, engine.invariance = False, Invariance.unconstrained()
     log.warning("exact: %s; output may differ from plain decoding at near-ties",
                 engine.exactness)
-    cpu = engine.device.type == "cpu"  # compiled in one shape there only for exactness
-    engine.reshape_step(compiled=engine.compiled, static=engine.static and not cpu)
+    engine.reshape_step(compiled=engine.compiled, static=_keeps_shape(engine))
 
 
 def _measure(engine: Calibrating) -> dict[int, list[float]]:
@@ -150,8 +149,12 @@ def _measure(engine: Calibrating) -> dict[int, list[float]]:
             raise
         log.warning("compiled or captured steps failed (%s: %s); running eager",
                     type(e).__name__, e)
-        # On a GPU the step keeps its one shape: what the probe found exact holds for it (the
-        # kernels a library picks move with the rows and keys of a call).
-        cuda = engine.device.type == "cuda"
-        engine.reshape_step(compiled=False, static=engine.static and cuda)
+        engine.reshape_step(compiled=False, static=_keeps_shape(engine))
         return measure_costs(engine, vocab, rows, warmup=False)
+
+
+def _keeps_shape(engine: Calibrating) -> bool:
+    """Whether a fixed-shape step stays in its shape after a fallback: on a GPU it does (the
+    kernels a library picks move with the rows and keys of a call, so the probe's finding
+    holds for that shape alone); on the CPU it ran in one shape only for exactness."""
+    return engine.static and engine.device.type != "cpu"
