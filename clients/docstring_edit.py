@@ -166,30 +166,55 @@ def render(text: str, target: Target) -> str:
     return "".join(line + target.eol for line in lines)
 
 
+MAX_PASSES = 4  # a pass that adds nothing ends the run well before this
+
+
 def add_docstrings(text: str, complete: Completer, document: str) -> tuple[str, Outcome]:
-    """The text with docstrings added where the model wrote a usable one, and what happened."""
-    lines = split_lines(text)
+    """The text with docstrings added where the model wrote a usable one, and what happened.
+
+    Idempotent: a second run over the result adds nothing. Within a pass every definition is
+    asked about the same text, so no verdict depends on what its neighbours got in that pass;
+    the definitions left are asked again about the text with those docstrings, until a pass
+    adds none, so the run ends on the text a second run would see."""
     outcome = Outcome()
-    for target in sorted(find_targets(text, lines), key=lambda t: t.at, reverse=True):
-        prefix, suffix = fim_request(lines, target)
-        try:
-            doc = clean(complete(f"{document}#{target.qualname}", prefix, suffix))
-        except NoCompletion as e:
-            outcome.skipped.append((target, str(e)))
-            continue
-        if not doc:
-            outcome.skipped.append((target, "the model wrote nothing usable"))
-            continue
-        candidate = [*lines[:target.at], render(doc, target), *lines[target.at:]]
-        try:
-            parse("".join(candidate))
-        except SourceError:
-            outcome.skipped.append((target, "the model's text would not parse"))
-            continue
-        lines = candidate
-        outcome.added.append((target, doc))
-    outcome.added.reverse()
-    outcome.skipped.reverse()
-    return "".join(lines), outcome
+    pending: list[Target] | None = None  # the first pass's targets still undocumented
+    for _ in range(MAX_PASSES):
+        lines = split_lines(text)
+        targets = find_targets(text, lines)
+        # the same definitions, as the file was read (line numbers for the report)
+        pending = targets if pending is None else pending
+        assert [t.qualname for t in targets] == [t.qualname for t in pending]
+        answers = [_ask(complete, document, lines, t) for t in targets]
+        added, outcome.skipped = [], []  # a pass's skips: those of its last pass stand
+        for target, first, (doc, why) in sorted(zip(targets, pending, answers, strict=True),
+                                                key=lambda a: a[0].at, reverse=True):
+            if doc is not None:  # bottom-up: the lines above keep their places
+                candidate = [*lines[:target.at], render(doc, target), *lines[target.at:]]
+                try:
+                    parse("".join(candidate))
+                    lines = candidate
+                    added.append((first, doc))
+                    continue
+                except SourceError:
+                    why = "the model's text would not parse"
+            outcome.skipped.append((first, why or ""))
+        text = "".join(lines)
+        outcome.added += added
+        done = {id(t) for t, _ in added}
+        pending = [t for t in pending if id(t) not in done]
+        if not added or not pending:
+            break
+    outcome.added.sort(key=lambda a: a[0].at)
+    outcome.skipped.sort(key=lambda a: a[0].at)
+    return text, outcome
 
 
+def _ask(complete: Completer, document: str, lines: list[str],
+         target: Target) -> tuple[str | None, str | None]:
+    """The model's docstring for one definition, or None and why not."""
+    prefix, suffix = fim_request(lines, target)
+    try:
+        doc = clean(complete(f"{document}#{target.qualname}", prefix, suffix))
+    except NoCompletion as e:
+        return None, str(e)
+    return (doc, None) if doc else (None, "the model wrote nothing usable")

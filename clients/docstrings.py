@@ -4,8 +4,10 @@ Every `def`, `async def` and `class` (top level, nested, methods; private and du
 included) whose body starts on a line of its own and has no docstring gets one, written by the
 model as a fill-in-the-middle completion just after the opening quotes, with the file around it
 as context. Nothing else in the file changes, byte for byte: the new lines take the line ending
-of the header they follow and the body's indentation. Insertions go bottom-up so earlier line
-numbers stay valid, and each is kept only if the file still parses. Files are written
+of the header they follow and the body's indentation. Every definition of a pass is asked
+about the same text; those left are asked again once the pass's docstrings are in, until a
+pass adds none, so a second run over the result changes nothing (pre-commit passes). Each
+insertion is kept only if the file still parses. Files are written
 atomically (a temporary file beside the original, then `os.replace`), keeping their mode.
 
 Exit status, for pre-commit: 1 when a file was changed (with `--check`: would be); otherwise
