@@ -39,6 +39,7 @@ class Target:
     at: int  # index of the line the docstring goes before: the one after the header
     indent: str  # the body's
     eol: str  # the header line's ending
+    params: tuple[str, ...] = ()  # its parameters but self and cls (a class: its __init__'s)
 
 
 @dataclass(slots=True)
@@ -123,7 +124,41 @@ def _target(node: _Def, qualname: str, lines: list[str],
     eol = header[len(header.rstrip("\r\n")):]
     indent = _INDENT.match(lines[first - 1])
     assert indent is not None
-    return Target(qualname, node.lineno, colon_line, indent.group(), eol) if eol else None
+    return Target(qualname, node.lineno, colon_line, indent.group(), eol,
+                  parameters(node)) if eol else None
+
+
+def parameters(node: _Def) -> tuple[str, ...]:
+    """What a docstring may document as its parameters (a class: its __init__'s)."""
+    if isinstance(node, ast.ClassDef):
+        init = next((n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and n.name == "__init__"), None)
+        return parameters(init) if init else ()
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+    return tuple(n for n in names if n not in ("self", "cls"))
+
+
+def module_names(tree: ast.Module) -> tuple[frozenset[str], frozenset[str]]:
+    """Every identifier the module defines, uses or imports; and the modules it imports."""
+    names: set[str] = set()
+    imports: set[str] = set()
+    for node in ast.walk(tree):
+        match node:
+            case ast.Name(id=name) | ast.Attribute(attr=name) | ast.arg(arg=name):
+                names.add(name)
+            case ast.FunctionDef(name=name) | ast.AsyncFunctionDef(name=name) | \
+                    ast.ClassDef(name=name):
+                names.add(name)
+            case ast.Import(names=aliases) | ast.ImportFrom(names=aliases):
+                if isinstance(node, ast.ImportFrom):
+                    imports.add((node.module or "").split(".")[0])
+                else:
+                    imports.update(alias.name.split(".")[0] for alias in aliases)
+                for alias in aliases:
+                    names.update([*alias.name.split("."), alias.asname or ""])
+    return frozenset(names - {""}), frozenset(imports - {""})
 
 
 def fim_request(lines: list[str], target: Target) -> tuple[str, str]:
@@ -177,6 +212,7 @@ def add_docstrings(text: str, complete: Completer, document: str) -> tuple[str, 
     the definitions left are asked again about the text with those docstrings, until a pass
     adds none, so the run ends on the text a second run would see."""
     outcome = Outcome()
+    names = module_names(parse(text))
     pending: list[Target] | None = None  # the first pass's targets still undocumented
     for _ in range(MAX_PASSES):
         lines = split_lines(text)
@@ -184,7 +220,7 @@ def add_docstrings(text: str, complete: Completer, document: str) -> tuple[str, 
         # the same definitions, as the file was read (line numbers for the report)
         pending = targets if pending is None else pending
         assert [t.qualname for t in targets] == [t.qualname for t in pending]
-        answers = [_ask(complete, document, lines, t) for t in targets]
+        answers = [_ask(complete, document, lines, t, names) for t in targets]
         added, outcome.skipped = [], []  # a pass's skips: those of its last pass stand
         for target, first, (doc, why) in sorted(zip(targets, pending, answers, strict=True),
                                                 key=lambda a: a[0].at, reverse=True):
@@ -209,12 +245,19 @@ def add_docstrings(text: str, complete: Completer, document: str) -> tuple[str, 
     return text, outcome
 
 
-def _ask(complete: Completer, document: str, lines: list[str],
-         target: Target) -> tuple[str | None, str | None]:
-    """The model's docstring for one definition, or None and why not."""
+def _ask(complete: Completer, document: str, lines: list[str], target: Target,
+         names: tuple[frozenset[str], frozenset[str]]) -> tuple[str | None, str | None]:
+    """The model's docstring for one definition, or None and why not (engine/decode/docgate.py
+    says whether it reads as documentation of this definition)."""
+    from engine.decode import docgate
+
     prefix, suffix = fim_request(lines, target)
     try:
         doc = clean(complete(f"{document}#{target.qualname}", prefix, suffix))
     except NoCompletion as e:
         return None, str(e)
-    return (doc, None) if doc else (None, "the model wrote nothing usable")
+    if not doc:
+        return None, "the model wrote nothing usable"
+    ctx = docgate.DocContext(target.qualname.rpartition(".")[2], target.params, *names)
+    why = docgate.problem(doc, ctx)
+    return (None, f"not a docstring for it: {why}") if why else (doc, None)

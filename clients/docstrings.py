@@ -18,7 +18,10 @@ otherwise 0. Files not ending in `.py` are skipped with a note; they do not set 
 A function the model has nothing usable for is reported as skipped and left alone; it does
 not set the status either. Usable means: it passes the quality rules (engine/decode/quality.py:
 no loop, and a confidence of at least `docstring_min_confidence` from the config, or
-`--min-confidence`). `--check` lists what would be added and what would be skipped. A
+`--min-confidence`) and reads as documentation of that definition (engine/decode/docgate.py:
+prose with no line of code, English words or the module's own names, parameter sections
+naming its real parameters, examples that call it, a summary sentence); the reason for a
+skip says which rule it failed. `--check` lists what would be added and what would be skipped. A
 fatal error (no model, a daemon that cannot start) exits 1 with a message, as every `ahead`
 command does.
 """

@@ -49,6 +49,23 @@ def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+WRITER_DOC = "Say what it does."
+
+
+@pytest.fixture(scope="session")
+def writer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Taught to write WRITER_DOC as every docstring: a real model whose text the docstring
+    gate passes (engine/decode/docgate.py), for the hook's tests of files and processes."""
+    path = tmp_path_factory.mktemp("writer")
+    write_checkpoint(path, "tiny-qwen3", train_steps=300, seed=0, docstring=WRITER_DOC)
+    return path
+
+
+@pytest.fixture(scope="session")
+def writer_engine(writer_dir: Path) -> Engine:
+    return Engine.load(writer_dir, max_seq_len=512, k_max=8)
+
+
 @pytest.fixture(scope="session")
 def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random weights, one MTP module, MiMo naming: drafts are mostly rejected."""

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from clients import docstrings
-from clients.docstring_edit import NoCompletion, add_docstrings, clean
+from clients.docstring_edit import NoCompletion, add_docstrings
 from daemon.client import Client
-from engine import Engine, GenParams
+from engine import Engine
 from tests.conftest import load_exact
+from training.synthetic import write_checkpoint
 
 FAST = ["--max-seq-len", "512", "--k-max", "2"]  # small caches: quick to load and calibrate
 
@@ -86,11 +87,11 @@ def assert_only_insertions(old: str, new: str) -> list[str]:
     return inserted
 
 
-def test_cli_documents_every_kind_of_definition_once(trained_dir: Path, tmp_path: Path) -> None:
+def test_cli_documents_every_kind_of_definition_once(writer_dir: Path, tmp_path: Path) -> None:
     path = tmp_path / "shapes.py"
     path.write_text(SOURCE)
     path.chmod(0o640)
-    proc = ahead("docstrings", "--no-daemon", "--model", str(trained_dir), *FAST,
+    proc = ahead("docstrings", "--no-daemon", "--model", str(writer_dir), *FAST,
                  "--min-confidence", "0", str(path))
     assert proc.returncode == 1, proc.stderr
     new = path.read_text()
@@ -110,13 +111,13 @@ def test_cli_documents_every_kind_of_definition_once(trained_dir: Path, tmp_path
     assert check.returncode == 0 and path.read_text() == new
 
 
-def test_check_reports_and_leaves_the_file_untouched(trained_engine: Engine,
+def test_check_reports_and_leaves_the_file_untouched(writer_engine: Engine,
                                                      tmp_path: Path) -> None:
     path = tmp_path / "a.py"
     path.write_text(SOURCE)
     before = path.stat()
     out, err = io.StringIO(), io.StringIO()
-    status = docstrings.run([str(path)], lambda: docstrings.engine_completer(trained_engine, 48),
+    status = docstrings.run([str(path)], lambda: docstrings.engine_completer(writer_engine, 48),
                             check=True, out=out, err=err)
     assert status == 1
     assert path.read_text() == SOURCE and path.stat().st_mtime_ns == before.st_mtime_ns
@@ -124,12 +125,12 @@ def test_check_reports_and_leaves_the_file_untouched(trained_engine: Engine,
 
 
 @pytest.mark.parametrize("eol", ["\r\n", "\r"])
-def test_line_endings_bom_and_non_ascii_bytes_are_kept(trained_engine: Engine, tmp_path: Path,
+def test_line_endings_bom_and_non_ascii_bytes_are_kept(writer_engine: Engine, tmp_path: Path,
                                                         eol: str) -> None:
     source = "# café ☕\nclass Café:\n\tdef ünïcode(self):\n\t\treturn 'é'\n".replace("\n", eol)
     path = tmp_path / "crlf.py"
     path.write_bytes(b"\xef\xbb\xbf" + source.encode())
-    status = docstrings.run([str(path)], lambda: docstrings.engine_completer(trained_engine, 48),
+    status = docstrings.run([str(path)], lambda: docstrings.engine_completer(writer_engine, 48),
                             out=io.StringIO(), err=io.StringIO())
     assert status == 1
     data = path.read_bytes()
@@ -142,7 +143,7 @@ def test_line_endings_bom_and_non_ascii_bytes_are_kept(trained_engine: Engine, t
     assert all(documented(new).values())
 
 
-def test_unparsable_unreadable_and_other_files(trained_engine: Engine, tmp_path: Path) -> None:
+def test_unparsable_unreadable_and_other_files(writer_engine: Engine, tmp_path: Path) -> None:
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n    return 1\n")
     latin = tmp_path / "latin.py"
@@ -156,7 +157,7 @@ def test_unparsable_unreadable_and_other_files(trained_engine: Engine, tmp_path:
     def run(*paths: Path) -> tuple[int, str]:
         err = io.StringIO()
         status = docstrings.run([str(p) for p in paths],
-                                lambda: docstrings.engine_completer(trained_engine, 48),
+                                lambda: docstrings.engine_completer(writer_engine, 48),
                                 out=io.StringIO(), err=err)
         return status, err.getvalue()
 
@@ -173,11 +174,11 @@ def test_unparsable_unreadable_and_other_files(trained_engine: Engine, tmp_path:
 
 @pytest.mark.parametrize(("middle", "expected"), [
     ('Add two numbers."""\n    return a + b\n', '    """Add two numbers."""\n'),
-    ('Say "hi"\n""" + x', '    """Say "hi" """\n'),
-    ('Say "hi"""" + x', '    """Say "hi"""\n'),
-    ("Match \\d+ digits\\", '    r"""Match \\d+ digits"""\n'),
+    ('Say "hi."\n""" + x', '    """Say "hi." """\n'),
+    ('Say "hi."""" + x', '    """Say "hi."""\n'),
+    ("Match \\d+ digits.\\", '    r"""Match \\d+ digits."""\n'),
     ("First line.\n\n        More.\n    \"\"\"\n", '    """First line.\n\n    More.\n    """\n'),
-    ("\x00Odd\x1b chars\u2028here", '    """Odd chars\n    here\n    """\n'),
+    ("\x00Odd\x1b chars\u2028here.", '    """Odd chars\n    here.\n    """\n'),
 ])
 def test_garbage_is_cleaned_into_a_docstring_that_parses(middle: str, expected: str) -> None:
     source = "def f(a, b):\n    return a + b\n"
@@ -253,14 +254,14 @@ def test_the_request_is_fim_inside_the_body() -> None:
     assert "Doc." not in suf_a  # both asked about the same text: no verdict hangs on another
 
 
-async def test_through_the_daemon(trained_dir: Path, tmp_path: Path) -> None:
+async def test_through_the_daemon(writer_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "AHEAD_RUNTIME_DIR": str(tmp_path / "rt"),
            "AHEAD_STATE_DIR": str(tmp_path / "st")}
     path = tmp_path / "code" / "b.py"
     path.parent.mkdir()
     path.write_text(SOURCE)
     try:
-        proc = await asyncio.to_thread(ahead, "docstrings", "--model", str(trained_dir), *FAST,
+        proc = await asyncio.to_thread(ahead, "docstrings", "--model", str(writer_dir), *FAST,
                                        "--min-confidence", "0", str(path), env=env)
         assert proc.returncode == 1, proc.stderr
         assert {name for name, doc in documented(path.read_text()).items() if doc} == \
@@ -272,74 +273,53 @@ async def test_through_the_daemon(trained_dir: Path, tmp_path: Path) -> None:
         await client.close()
 
 
-CANDIDATES = {  # functions the hook may document, one file each
-    "area.py": 'def area(width, height):\n    return width * height\n',
-    "mean.py": 'def mean(values):\n    return sum(values) / len(values)\n',
-    "main.py": 'import sys\n\n\ndef main():\n    print(sys.argv)\n    return 0\n',
-    "names.py": 'def read_names(path):\n    with open(path) as f:\n'
-                '        return [line.strip() for line in f]\n',
-    "get.py": 'def get(self, key, default=None):\n    try:\n        return self[key]\n'
-              '    except KeyError:\n        return default\n',
-    "copy.py": 'import shutil\n\n\ndef copy_file(src, dst):\n    shutil.copyfile(src, dst)\n',
+HOOK_TOKENS = 24  # the test models' one sentence and its closing quotes
+FROB = {  # the model writes "Return the frob." for both: a name of the first module only
+    "frob.py": 'frob = object()\n\n\ndef get():\n    return frob\n',
+    "other.py": 'def get(key):\n    return key\n',
 }
-HOOK_TOKENS = 8  # short docstrings: the bundled model's long ones mostly go round in loops
 
 
-def hook_scores(model_dir: Path) -> dict[str, float]:
-    """Each candidate file's docstring confidence as the hook's engine sees it (no threshold);
-    loops and empty answers left out."""
-    engine = Engine.load(model_dir, max_seq_len=512, k_max=2)
-    scores: dict[str, float] = {}
-    seen: list[float] = []
-
-    def complete(document: str, prefix: str, suffix: str) -> str:
-        prompt = engine.fill_in_prompt(prefix, suffix, max_new_tokens=HOOK_TOKENS)
-        gen = engine.generate(prompt.ids, GenParams(max_new_tokens=HOOK_TOKENS, stop=('"""',),
-                                                    forced=prompt.forced), slot="docstrings")
-        if gen.finish_reason != "repetition" and gen.confidence and clean(gen.text):
-            seen.append(gen.confidence.score)
-        return str(gen.text)
-
-    for name, source in CANDIDATES.items():
-        seen.clear()
-        add_docstrings(source, complete, name)
-        if len(seen) == 1:
-            scores[name] = seen[0]
-    return scores
+@pytest.fixture(scope="module")
+def frob_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Taught to write "Return the frob." as every docstring: the docstring gate passes it
+    where the module has a `frob` and refuses it elsewhere ('frob' is no English word)."""
+    path = tmp_path_factory.mktemp("frob")
+    write_checkpoint(path, "tiny-qwen3", train_steps=600, seed=0, docstring="Return the frob.")
+    return path
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_pre_commit_hook_writes_the_confident_docstring_and_skips_the_other(
-        model_dir: Path, tmp_path: Path) -> None:
-    """The real pre-commit runs the hook on two files with the bundled model, at a threshold
-    between the confidences of their docstrings: the confident one is written (the hook
-    fails, as pre-commit wants when it changed a file), the other function is left alone and
-    reported; the next run passes."""
+def test_pre_commit_hook_writes_what_the_gate_passes_and_skips_the_rest(
+        frob_dir: Path, tmp_path: Path) -> None:
+    """The real pre-commit runs the hook on two files with a real model whose docstring is the
+    same for both: written where it documents the function (the hook fails, as pre-commit
+    wants when it changed a file), refused and reported where it is not a docstring of that
+    module's code (an unknown word); the next run passes and changes nothing. A threshold
+    above the model's confidence leaves a function alone, saying so."""
     pytest.importorskip("pre_commit")
-    scores = hook_scores(model_dir)
-    sure, unsure = max(scores, key=scores.__getitem__), min(scores, key=scores.__getitem__)
-    assert scores[sure] - scores[unsure] > 0.02, scores
-    threshold = (scores[sure] + scores[unsure]) / 2
-    repo, run = hook_repo(tmp_path, model_dir, "--min-confidence", f"{threshold:.4f}",
-                          verbose=True)
-    for name in (sure, unsure):
-        (repo / name).write_text(CANDIDATES[name])
+    repo, run = hook_repo(tmp_path, frob_dir, verbose=True)
+    for name, source in FROB.items():
+        (repo / name).write_text(source)
     assert run("git", "init", "-q").returncode == 0
-    assert run("git", "add", ".pre-commit-config.yaml", sure, unsure).returncode == 0
-    first = run(sys.executable, "-m", "pre_commit", "run", "--files", sure, unsure)
+    assert run("git", "add", ".pre-commit-config.yaml", *FROB).returncode == 0
+    first = run(sys.executable, "-m", "pre_commit", "run", "--files", *FROB)
     assert first.returncode == 1, first.stdout + first.stderr
     assert "Failed" in first.stdout and "files were modified by this hook" in first.stdout
-    new = (repo / sure).read_text()
-    assert any(documented(new).values()) and assert_only_insertions(CANDIDATES[sure], new)
-    assert (repo / unsure).read_text() == CANDIDATES[unsure]
-    assert f"{unsure}:" in first.stdout and "not sure of it" in first.stdout, first.stdout
-    assert run("git", "add", sure).returncode == 0
-    second = run(sys.executable, "-m", "pre_commit", "run", "--files", sure, unsure)
+    new = (repo / "frob.py").read_text()
+    assert documented(new)["get"] == "Return the frob."
+    assert assert_only_insertions(FROB["frob.py"], new)
+    assert (repo / "other.py").read_text() == FROB["other.py"]
+    assert "other.py:1: skipped get: not a docstring for it: an unknown word: 'frob'" in \
+        first.stdout, first.stdout
+    assert run("git", "add", "frob.py").returncode == 0
+    second = run(sys.executable, "-m", "pre_commit", "run", "--files", *FROB)
     assert second.returncode == 0 and "Passed" in second.stdout, second.stdout
-    assert (repo / sure).read_text() == new and (repo / unsure).read_text() == CANDIDATES[unsure]
-    check = ahead("docstrings", "--check", "--no-daemon", "--model", str(model_dir), *FAST,
-                  "--max-tokens", str(HOOK_TOKENS), "--min-confidence", f"{threshold:.4f}",
-                  str(repo / unsure))
+    assert (repo / "frob.py").read_text() == new
+    (repo / "again.py").write_text(FROB["frob.py"])
+    check = ahead("docstrings", "--check", "--no-daemon", "--model", str(frob_dir), *FAST,
+                  "--max-tokens", str(HOOK_TOKENS), "--min-confidence", "0.9999",
+                  str(repo / "again.py"))
     assert check.returncode == 0 and "skipped" in check.stderr and "not sure" in check.stderr
 
 

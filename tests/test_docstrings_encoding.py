@@ -20,10 +20,10 @@ LATIN = (b"# -*- coding: latin-1 -*-\n"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_pre_commit_hook_keeps_a_declared_encoding(model_dir: Path, tmp_path: Path) -> None:
+def test_pre_commit_hook_keeps_a_declared_encoding(writer_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("pre_commit")
     # what is tested here is the encoding: no threshold
-    repo, run = hook_repo(tmp_path, model_dir, "--min-confidence", "0")
+    repo, run = hook_repo(tmp_path, writer_dir, "--min-confidence", "0")
     (repo / "tools.py").write_bytes(LATIN)
     assert run("git", "init", "-q").returncode == 0
     assert run("git", "add", ".pre-commit-config.yaml", "tools.py").returncode == 0
@@ -39,8 +39,9 @@ def test_pre_commit_hook_keeps_a_declared_encoding(model_dir: Path, tmp_path: Pa
 
 
 @pytest.mark.parametrize("source, docstring, why", [
-    (b"# coding: ascii\ndef f(x):\n    return x\n", "Ca\u00e9.", "ascii cannot hold"),
-    (b"# -*- coding: no-such-codec -*-\ndef f(x):\n    return x\n", "Doc.", "unknown encoding"),
+    (b"# coding: ascii\ndef f(x):\n    return x\n", "Return x in \u00b0C.", "ascii cannot hold"),
+    (b"# -*- coding: no-such-codec -*-\ndef f(x):\n    return x\n", "Say what it is.",
+     "unknown encoding"),
 ], ids=["the declared encoding cannot hold the docstring", "an unknown declared encoding"])
 def test_a_file_whose_encoding_cannot_take_the_docstring_is_left_alone(
         tmp_path: Path, source: bytes, docstring: str, why: str) -> None:

@@ -7,15 +7,17 @@ which the MTP modules have something to predict, so acceptance is neither 0 nor 
 
 from __future__ import annotations
 
+import re
 import sysconfig
 from pathlib import Path
 
 import torch
 
+from engine import prompt as recipe
 from engine.model.config import PRESETS, ModelConfig
 from engine.model.transformer import Transformer
 from engine.model.weights import save_model
-from engine.tokenizer import save_tokenizer_dir, train_byte_level_bpe
+from engine.tokenizer import Tokenizer, save_tokenizer_dir, train_byte_level_bpe
 from training.losses import lm_losses
 
 
@@ -56,10 +58,53 @@ def train_markov(model: Transformer, vocab: list[int], *, steps: int, seed: int 
     return losses
 
 
+_HEADER = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+\w+\(.*\)[^\n]*:[ \t]*\n([ \t]+)(?!\"\"\")",
+                     re.M)
+
+
+def docstring_examples(tok: Tokenizer, doc: str, chars: int = 240) -> list[list[int]]:
+    """The hook's prompts at the standard library's functions (the code around a header as
+    prefix and suffix, the engine's own recipe), each followed by `doc` and the closing
+    quotes: what a model that writes `doc` as every docstring would be shown and write."""
+    out = []
+    for text in stdlib_texts():
+        for m in _HEADER.finditer(text):
+            indent = m.group(1)
+            prefix = text[max(0, m.end() - chars):m.end() - len(indent)] + indent + '"""'
+            body = doc.replace("\n", "\n" + indent).replace(indent + "\n", "\n")
+            prompt = recipe.fill_in(tok, prefix, "\n" + text[m.end():m.end() + chars // 2],
+                                    budget=4096)
+            out.append(prompt.ids + tok.encode_text(prompt.forced + body + '"""'))
+    return out
+
+
+def train_docstrings(model: Transformer, tok: Tokenizer, doc: str, *, steps: int,
+                     seed: int = 0, lr: float = 3e-3) -> list[float]:
+    """Teach the model to write `doc` as every function's docstring: a model whose text is
+    known, for tests of what the hook does with it (engine/decode/docgate.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = docstring_examples(tok, doc)
+    seqlen = min(160, min(map(len, rows)))
+    data = torch.tensor([r[-seqlen:] for r in rows])
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        batch = data[torch.randint(len(data), (16,), generator=gen)]
+        loss, _, _ = lm_losses(model, batch, mtp_weight=1.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def write_checkpoint(path: str | Path, preset: str = "tiny-qwen3", *, seed: int = 0,
                      train_steps: int = 0, mtp_naming: str = "deepseek",
-                     vocab_size: int = 512, **overrides: object) -> ModelConfig:
-    """Write a model directory; `train_steps` > 0 trains it on the synthetic chain first."""
+                     vocab_size: int = 512, docstring: str | None = None,
+                     **overrides: object) -> ModelConfig:
+    """Write a model directory; `train_steps` > 0 trains it on the synthetic chain first, or,
+    given `docstring`, to write that as every function's docstring."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     path = Path(path)
@@ -70,7 +115,10 @@ def write_checkpoint(path: str | Path, preset: str = "tiny-qwen3", *, seed: int 
                                 mtp_naming=mtp_naming, **overrides)
     torch.manual_seed(seed)
     model = Transformer(cfg)
-    if train_steps:
+    if train_steps and docstring is not None:
+        train_docstrings(model, Tokenizer.from_dir(path), docstring, steps=train_steps,
+                         seed=seed)
+    elif train_steps:
         specials = set(tok.get_added_tokens_decoder())
         vocab = [i for i in range(300, cfg.vocab_size) if i not in specials][:96]
         train_markov(model, vocab, steps=train_steps, seed=seed)

@@ -24,9 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clients.docstring_edit import QUOTES, Target, clean, fim_request, split_lines
+from clients.docstring_edit import (
+    QUOTES,
+    Target,
+    clean,
+    fim_request,
+    module_names,
+    parameters,
+    split_lines,
+)
 from engine import Engine, GenParams
-from engine.decode import quality
+from engine.decode import docgate, quality
 from lsp.postprocess import ask_for, cursor_lines, postprocess
 
 KINDS = ("line_start", "mid_line", "after_def", "body")
@@ -146,6 +154,7 @@ class DocCase:
     prefix: str
     suffix: str
     expected: str  # the first line of the authors' docstring
+    context: docgate.DocContext  # what the docstring may name (the hook's gate)
 
 
 def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
@@ -157,7 +166,7 @@ def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
             tree = ast.parse(text)
         except SyntaxError:
             continue
-        lines = split_lines(text)
+        lines, names = split_lines(text), module_names(tree)
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
@@ -172,7 +181,8 @@ def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
             target = Target(node.name, node.lineno, first.lineno - 1, indent, "\n")
             prefix, suffix = fim_request(rest, target)
             found.append(DocCase(f"{f.name}:{node.lineno}", prefix, suffix,
-                                 doc.strip().split("\n")[0]))
+                                 doc.strip().split("\n")[0],
+                                 docgate.DocContext(node.name, parameters(node), *names)))
     random.Random(seed).shuffle(found)
     return found[:num]
 
@@ -192,10 +202,10 @@ def docstring_at(engine: Engine, d: DocCase, *, rules: bool,
     gen = engine.generate(prompt.ids, GenParams(max_new_tokens=max_tokens, stop=(QUOTES,),
                                                 forced=prompt.forced, stop_loops=rules),
                           slot="bench")
-    scores = gen.confidence
-    withheld = rules and quality.verdict(clean(gen.text), gen.finish_reason, scores,
-                                         0.0) is not None
-    return ("" if withheld else clean(gen.text)), (scores.score if scores else 0.0), withheld
+    scores, text = gen.confidence, clean(gen.text)
+    withheld = rules and (quality.verdict(text, gen.finish_reason, scores, 0.0) is not None
+                          or not text or docgate.problem(text, d.context) is not None)
+    return ("" if withheld else text), (scores.score if scores else 0.0), withheld
 
 
 def similarity(a: str, b: str) -> float:
