@@ -25,6 +25,7 @@ NUMPY = "Return the n-th number.\n\n    Parameters\n    ----------\n    n : int\
     "Return it (see ``functools.lru_cache``).",
     "Return it.\n\n    A literal block::\n\n        fib(n - 1) + fib(n - 2)\n",
     'Return the "n-th" number.',
+    "Return the n-th number.\n\n    Raise ValueError if n is negative.",  # a builtin name
 ])
 def test_documentation_passes(text: str) -> None:
     assert problem(text, FIB) is None
@@ -39,6 +40,10 @@ def test_documentation_passes(text: str) -> None:
      "imports sympy.polys"),
     ("Returns the number of the gh-atteristics.", "unknown word: 'atteristics'"),
     ("Return a basic of the given basic.", "says a word twice"),
+    # seen on held-out standard-library code, below the default threshold
+    ("Read up to be a basic object.\n\n    Parameters\n    ----------\n    n : NetworkX graph\n"
+     "        The number.", "unknown word: 'NetworkX'"),
+    ("Read the value.\n\n    It is a basic object, as a basic object is.", "repeats itself"),
     ("Return the value.\n\n    return self.dropout(x)", "a line of code"),
     ("Return the value.\n\n    def __init__(): return x", "a line of code"),
     ("Return the value.\n\n    if not isinstance(n, int):", "a line of code"),

@@ -10,12 +10,14 @@ text that is not a docstring for that function. The rules, each a reason when it
 - a section of parameters names only the function's real parameters, and has some;
 - a doctest calls the function and imports only what the module imports;
 - the summary (the first paragraph) is a sentence of a few words that says no word of four
-  letters or more twice, and nothing repeats itself (a run of four words said twice).
+  letters or more twice, and nothing repeats itself (a run of three words, one of four
+  letters or more, said twice).
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import re
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from pathlib import Path
 
 WORDS_FILE = Path(__file__).with_name("words.txt")
 _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_CAMEL = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
+BUILTINS = frozenset(dir(builtins))
 _DASHES = re.compile(r"^\s*(-{3,}|={3,})\s*$")
 PARAM_SECTIONS = frozenset({"parameters", "params", "args", "arguments", "keyword arguments",
                             "other parameters"})
@@ -91,6 +93,8 @@ def problem(text: str, ctx: DocContext) -> str | None:
         if section in PARAM_SECTIONS and (name := _param_entry(s)) is not None:
             if name not in ctx.params:
                 return f"it documents a parameter {name!r} that it does not have"
+            if word := _unknown_word(s.partition(":")[2], ctx):  # its type
+                return f"an unknown word: {word!r}"
             continue
         if _is_code(s):
             return f"a line of code: {s[:60]!r}"
@@ -140,12 +144,13 @@ def _parses(src: str) -> ast.stmt | None:
 
 
 def _unknown_word(s: str, ctx: DocContext) -> str | None:
+    """A word that is neither English nor a name the module, the signature or Python's
+    builtins give (a name's parts count as words: `read_all`, not `NetworkX`)."""
     known = english()
     for token in _TOKEN.findall(s):
-        if token in ctx.names or token in ctx.params or token == ctx.name:
+        if token in ctx.names or token in ctx.params or token == ctx.name or token in BUILTINS:
             continue
-        parts = [p.lower() for p in _CAMEL.findall(token)] if "_" not in token else \
-            [p.lower() for p in token.split("_") if p]
+        parts = [p.lower() for p in token.split("_") if p]
         if not parts or not all(p in known or p.removesuffix("s") in known for p in parts):
             return token
     return None
@@ -163,11 +168,13 @@ def _doctest_line(s: str, ctx: DocContext) -> str | None:
 
 
 def _repeats(text: str) -> str | None:
+    """A run of three words said twice, one of them of four letters or more ("a basic
+    object ... a basic object"; "of the" and "it is a" may come back)."""
     words = [w.lower() for w in _TOKEN.findall(text)]
     seen: set[tuple[str, ...]] = set()
-    for i in range(len(words) - 3):
-        gram = tuple(words[i:i + 4])
-        if gram in seen:
+    for i in range(len(words) - 2):
+        gram = tuple(words[i:i + 3])
+        if gram in seen and max(map(len, gram)) >= 4:
             return f"it repeats itself ({' '.join(gram)!r})"
         seen.add(gram)
     return None
