@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,12 +46,17 @@ def train_markov(model: Transformer, vocab: list[int], *, steps: int, seed: int 
     """A few hundred optimiser steps: enough for trunk and modules to learn the chain."""
     gen = torch.Generator().manual_seed(seed)
     table = torch.randperm(len(vocab), generator=gen)
+    return fit(model, lambda: markov_batch(vocab, 16, 48, gen, table, p_follow), steps, lr)
+
+
+def fit(model: Transformer, batches: Callable[[], torch.Tensor], steps: int,
+        lr: float) -> list[float]:
+    """`steps` AdamW steps of the trunk and MTP losses on `batches()`; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(steps):
-        batch = markov_batch(vocab, 16, 48, gen, table, p_follow)
-        loss, _, _ = lm_losses(model, batch, mtp_weight=1.0)
+        loss, _, _ = lm_losses(model, batches(), mtp_weight=1.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -86,17 +92,7 @@ def train_docstrings(model: Transformer, tok: Tokenizer, doc: str, *, steps: int
     rows = docstring_examples(tok, doc)
     seqlen = min(160, min(map(len, rows)))
     data = torch.tensor([r[-seqlen:] for r in rows])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        batch = data[torch.randint(len(data), (16,), generator=gen)]
-        loss, _, _ = lm_losses(model, batch, mtp_weight=1.0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return fit(model, lambda: data[torch.randint(len(data), (16,), generator=gen)], steps, lr)
 
 
 def write_checkpoint(path: str | Path, preset: str = "tiny-qwen3", *, seed: int = 0,
