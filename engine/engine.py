@@ -332,7 +332,7 @@ class Engine:
         pad = 0 if alone or (self.invariance.batch_invariant and not self.static) else \
             self.max_slots - len(index)
         if pad:
-            self.state.set_rows([self._pad_slot], lengths=[0], num_drafts=[0], plan=[[0, 0, 0]])
+            self.state.idle(self._pad_slot)
         index = index + [self._pad_slot] * pad
         if not self.static:
             shape = replace(shape, span=span_of(index))
@@ -370,8 +370,8 @@ class Engine:
         if any(adaptive for _, _, adaptive in plans):
             accept, unit = self.policy.chain_plan(rows)
             rate = self.policy.rate * self.policy.scale  # tokens/s of the unscaled cost curve
-            self.state.chain_accept.copy_(torch.tensor(accept))
-            self.state.chain_limit.copy_(torch.tensor([rate * u for u in unit]))
+            self.state.chain_accept.copy_(torch.tensor(accept), non_blocking=True)
+            self.state.chain_limit.copy_(torch.tensor([rate * u for u in unit]), non_blocking=True)
 
     def _sampling(self, index: list[int], gens: list[Generation]) -> RowSampling:
         rows = torch.tensor(index, device=self.device)

@@ -204,3 +204,30 @@ def test_a_second_load_reads_the_calibration_and_other_settings_measure_afresh(
                         quant_cache=cache)  # another number of slots: measured, and kept
     assert third.invariance.exact and third.policy.cost(2) != 2.5
     assert len(list((cache.parent / "calibration").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_summed_by_key_blocks_keeps_each_rows_bits_its_own(dtype: torch.dtype) -> None:
+    """The GPU's attention sums p @ v block by block of keys (`weighted_values`): the value of
+    one product within rounding, and a row's bits depend on its own probabilities alone."""
+    from engine.cache.kv import KEY_BLOCK
+    from engine.model.attention import weighted_values
+
+    gen = torch.Generator().manual_seed(0)
+    keys = 3 * KEY_BLOCK
+    probs = torch.softmax(torch.randn(2, 2, 6, keys, generator=gen) * 3, -1).to(dtype)
+    v = torch.randn(2, 2, keys, 64, generator=gen).to(dtype)
+    blocked = weighted_values(probs, v, blocks=True)
+    assert blocked.dtype == dtype and blocked.shape == (2, 2, 6, 64)
+    one = (probs.double() @ v.double()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(blocked.float(), one.float(), atol=tol, rtol=tol)
+    assert torch.equal(weighted_values(probs, v, blocks=False), probs @ v)
+    # other rows' probabilities change nothing in a row (whether a row alone gives the bits
+    # it gives among others depends on the device's matmul: the probe measures that)
+    other = probs.clone()
+    other[:, :, 1:] = torch.softmax(torch.randn(2, 2, 5, keys, generator=gen), -1).to(dtype)
+    assert torch.equal(weighted_values(other, v, blocks=True)[:, :, 0], blocked[:, :, 0])
+    # keys not in whole blocks: one product
+    assert torch.equal(weighted_values(probs[..., :-1], v[:, :, :-1], blocks=True),
+                       probs[..., :-1] @ v[:, :, :-1])

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+# Keys are read in whole blocks of this many: a cache holds whole blocks, an eager forward
+# reads the blocks up to its last position, and attention may sum block by block.
+KEY_BLOCK = 256
+
 
 class KVCache:
     """One attention layer's cache for all slots: k and v [slots, kv_heads, length, head_dim]."""

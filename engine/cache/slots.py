@@ -24,7 +24,7 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from engine.cache.kv import KVCache
+from engine.cache.kv import KEY_BLOCK, KVCache
 from engine.cache.state import StateCache, commit
 from engine.model.config import FULL
 from engine.model.layers import rope_tables
@@ -56,7 +56,7 @@ class Caches:
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        self.length = max_seq_len + scratch
+        self.length = -(-(max_seq_len + scratch) // KEY_BLOCK) * KEY_BLOCK  # whole blocks
 
         def layers(n: int) -> list[KVCache]:
             return [KVCache(num_slots, cfg.num_kv_heads, self.length, cfg.head_dim, self.device,

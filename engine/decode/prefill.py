@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.cache.kv import CacheBatch, span_of
+from engine.cache.kv import KEY_BLOCK, CacheBatch, span_of
 from engine.cache.slots import Caches, ContextOverflow, Slot
 from engine.decode.quality import token_logprobs
 from engine.decode.random import TARGET
@@ -36,7 +36,7 @@ class PrefillRow:
     stable: int  # seq[:stable] stays put while the user types (see `prompt.Prompt`)
 
 
-def kv_blocks(n: int, limit: int, block: int = 256) -> int:
+def kv_blocks(n: int, limit: int, block: int = KEY_BLOCK) -> int:
     """Keys a forward reading positions < n attends over: n rounded up to a block (eager
     forwards then take a few shapes, not one per length)."""
     return min(limit, -(-n // block) * block)
