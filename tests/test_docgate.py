@@ -26,6 +26,12 @@ NUMPY = "Return the n-th number.\n\n    Parameters\n    ----------\n    n : int\
     "Return it.\n\n    A literal block::\n\n        fib(n - 1) + fib(n - 2)\n",
     'Return the "n-th" number.',
     "Return the n-th number.\n\n    Raise ValueError if n is negative.",  # a builtin name
+    # reST fields and Sphinx references to what the module names
+    "Return the n-th number.\n\n    :param n: which number.\n    :rtype: int\n"
+    "    :raises ValueError: if n is negative.",
+    "Return the n-th number, as :func:`functools.lru_cache` keeps it (see :pep:`8`).",
+    "Return it.\n\n    Note: the numbers are cached.",
+    "Return the n-th number,\n    if it was asked for before, from the cache.",
 ])
 def test_documentation_passes(text: str) -> None:
     assert problem(text, FIB) is None
@@ -50,6 +56,17 @@ def test_documentation_passes(text: str) -> None:
     ("Return the value.\n\n    @property", "a line of code"),
     ("Return the value.\n\n    total = n + 1", "a line of code"),
     ("Return the value.\n\n    fib(n)", "a line of code"),
+    # lines of code that do not parse alone (a test model's text)
+    ("Get the key.\n\n    key\n    return self.write(key\n    if key) -> key in key.",
+     "a line of code: 'return self.write(key'"),
+    ("Return it.\n\n    if n_max", "a line of code"),
+    # seen on held-out standard-library code at threshold 0
+    ("The name of the file.\n\n    # https://github.com/python/issues/2.1.1.1.1.",
+     "a comment: '# https://github.com"),
+    ("Return the number, see https://example.org/fib.", "a link: 'https://example.org/fib.'"),
+    ("Return the number.\n\n    Parameters\n    ----------", "an empty Parameters section"),
+    ("Return the number.\n\n    Returns:\n    Raises:\n        ValueError: if n < 0.",
+     "an empty Returns section"),
     # the summary
     ("Return", "not a sentence"),
     ("Return the value of", "not a sentence"),
@@ -59,6 +76,15 @@ def test_documentation_passes(text: str) -> None:
     ("Return it.\n\n    Parameters\n    ----------\n", None),  # checked below: no parameters
     ("Return the number.\n\n    >>> len([1])\n    1\n", "does not use it"),
     ("Return the number.\n\n    >>>", "an empty example"),
+    # seen on outside code (pygls) at threshold 0: references to nothing, role junk
+    ("If the server is not a :class:`get_run` request.",
+     "a reference to 'get_run', which the module does not name"),
+    ("Make a :wrong-chunks.", "a role marker with no reference: ':wrong-chunks.'"),
+    ("Make a :py:class:`~docs.aws.amazon.com/resources.html` of n.",
+     "which the module does not name"),
+    ("Return the :foo:`bar` of n.", "an unknown role: 'foo'"),
+    ("Return it.\n\n    :param int x: the number.", "a parameter 'x' that it does not have"),
+    ("Return it.\n\n    :frob n: the number.", "an unknown field: 'frob'"),
 ])
 def test_junk_fails(text: str, why: str | None) -> None:
     if why is None:  # a parameters section on a function that takes none

@@ -9,6 +9,8 @@ text that is not a docstring for that function. The rules, each a reason when it
   training/wordlist.py) or names the module, the function or its signature use;
 - a section of parameters names only the function's real parameters, and has some;
 - a doctest calls the function and imports only what the module imports;
+- Sphinx references use roles Sphinx knows and name what the module names;
+- no comment lines, no links (the model cannot know where they lead), no empty sections;
 - the summary (the first paragraph) is a sentence of a few words that says no word of four
   letters or more twice, and nothing repeats itself (a run of three words, one of four
   letters or more, said twice).
@@ -32,6 +34,23 @@ PARAM_SECTIONS = frozenset({"parameters", "params", "args", "arguments", "keywor
 SECTIONS = PARAM_SECTIONS | {"returns", "return", "yields", "yield", "raises", "examples",
                              "example", "notes", "note", "see also", "attributes",
                              "warnings", "references"}
+# Sphinx roles; references of the first kind must name something the module knows.
+OBJECT_ROLES = frozenset({"class", "func", "meth", "attr", "mod", "data", "obj", "exc",
+                          "const", "any"})
+ROLES = OBJECT_ROLES | {"ref", "doc", "term", "pep", "rfc", "envvar", "option", "program",
+                        "keyword", "kbd", "file", "samp", "code", "math", "abbr", "dfn"}
+PARAM_FIELDS = frozenset({"param", "parameter", "arg", "argument", "key", "keyword", "type"})
+FIELDS = PARAM_FIELDS | {"returns", "return", "rtype", "raises", "raise", "except", "exception",
+                         "yields", "yield", "ytype", "var", "ivar", "cvar", "vartype", "meta"}
+_ROLE = re.compile(r"(?<![\w:]):((?:py:)?[a-z]+):`([^`]+)`")
+_FIELD = re.compile(r"^:[a-z]+(?:\s+[\w.\[\], |]+)?:(?=\s|$)")  # `:param x:`, `:rtype:`
+_STRAY_ROLE = re.compile(r"(?:^|(?<=[\s(])):[A-Za-z][\w.+-]*:?")
+# A line that starts as a statement does and has a dotted name, an identifier with an
+# underscore or a bracket or `=` in it is code even where it does not parse on its own.
+_KEYWORD_LINE = re.compile(r"(return|yield|raise|if|elif|else|for|while|with|try|except|"
+                           r"import|from|del|assert|def|class|async|await|lambda)\b")
+_LINK = re.compile(r"\b(?:https?|ftp)://\S+|\bwww\.\w\S*")
+_CODE_MARK = re.compile(r"\w\.\w|\w_\w|[()=\[\]{}]")
 _CODE = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Return, ast.Delete,
          ast.Assign, ast.AugAssign, ast.For, ast.AsyncFor, ast.While, ast.If, ast.With,
          ast.AsyncWith, ast.Raise, ast.Try, ast.Assert, ast.Import, ast.ImportFrom, ast.Global,
@@ -87,6 +106,9 @@ def problem(text: str, ctx: DocContext) -> str | None:
             section = heading
             if heading in PARAM_SECTIONS and not ctx.params:
                 return f"a {s.rstrip(':')} section, and it takes no parameters"
+            after = [ln for ln in lines[i + 1:] if ln.strip() and not _DASHES.match(ln)]
+            if not after or after[0].strip().rstrip(":").lower() in SECTIONS:
+                return f"an empty {s.rstrip(':')} section"
             continue
         if _DASHES.match(s):
             continue
@@ -96,6 +118,22 @@ def problem(text: str, ctx: DocContext) -> str | None:
             if word := _unknown_word(s.partition(":")[2], ctx):  # its type
                 return f"an unknown word: {word!r}"
             continue
+        if field := _FIELD.match(s):  # a reST field: `:param n: the number`
+            kind, _, name = field.group(0).strip(":").partition(" ")
+            if kind not in FIELDS:
+                return f"an unknown field: {kind!r}"
+            if kind in PARAM_FIELDS and name.split()[-1:] != [] \
+                    and name.split()[-1] not in ctx.params:
+                return f"it documents a parameter {name.split()[-1]!r} that it does not have"
+            s = s[field.end():].strip()
+            if not s:
+                continue
+        if why := _roles(s, ctx):
+            return why
+        if s.startswith("#"):
+            return f"a comment: {s[:60]!r}"
+        if link := _LINK.search(s):  # the model cannot know that it leads anywhere
+            return f"a link: {link.group(0)[:60]!r}"
         if _is_code(s):
             return f"a line of code: {s[:60]!r}"
         if word := _unknown_word(s, ctx):
@@ -125,6 +163,8 @@ def _param_entry(s: str) -> str | None:
 
 
 def _is_code(s: str) -> bool:
+    if _KEYWORD_LINE.match(s) and _CODE_MARK.search(s):  # `return self.write(key` unclosed
+        return True
     if s.startswith("@"):
         return _parses(s + "\ndef _(): pass") is not None
     for src in (s, s + "\n    pass"):
@@ -153,6 +193,23 @@ def _unknown_word(s: str, ctx: DocContext) -> str | None:
         parts = [p.lower() for p in token.split("_") if p]
         if not parts or not all(p in known or p.removesuffix("s") in known for p in parts):
             return token
+    return None
+
+
+def _roles(s: str, ctx: DocContext) -> str | None:
+    """Sphinx cross-references name what the module names (`:class:`Server``), with a role
+    Sphinx knows; a role marker with no reference after it (`a :wrong-chunks.`) is junk."""
+    for m in _ROLE.finditer(s):
+        role, target = m.group(1).removeprefix("py:"), m.group(2)
+        if role not in ROLES:
+            return f"an unknown role: {m.group(1)!r}"
+        name = target.lstrip("~!").removesuffix("()").split(".")[-1]
+        if role in OBJECT_ROLES and not (name in ctx.names or name in ctx.params or
+                                         name == ctx.name or name in BUILTINS
+                                         or name in ctx.imports):
+            return f"a reference to {target!r}, which the module does not name"
+    if stray := _STRAY_ROLE.search(_ROLE.sub("", s)):
+        return f"a role marker with no reference: {stray.group(0).strip()!r}"
     return None
 
 
