@@ -191,7 +191,13 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     from clients.bench.quality import bench_quality, choose, format_report, plot
     from training.corpus import heldout_stdlib_files
 
-    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
+    sources: list[dict[str, str]] = []
+    if args.outside:
+        from clients.bench.docquality import outside_code
+
+        files, sources = outside_code()
+    else:
+        files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"file {missing[0]} does not exist")
@@ -208,9 +214,19 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     result = bench_quality(engine, files, num=args.num, docs=args.docs, seed=args.seed,
                            max_tokens=args.max_tokens, progress=progress)
     print(file=sys.stderr)
-    result["chosen"] = choose(result, min_shown=args.min_shown, min_written=0.2)
+    result["chosen"] = choose(result, min_shown=args.min_shown, min_written=args.min_written)
     result["files"] = [str(f) for f in files]
+    result["sources"] = sources
+    for src in sources:
+        print(f"code: {src['project']} {src['version']} ({src['licence']}), {src['files']} files")
     print(format_report(result))
+    if args.save:
+        from daemon.config import save_model_quality
+
+        measured = [f"{x['project']} {x['version']} ({x['licence']})" for x in sources] or \
+            sorted({Path(f).name for f in result["files"]})
+        where = save_model_quality(model_dir(args), result["chosen"], measured)
+        print(f"saved the chosen thresholds for this model in {where}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.plot:
@@ -377,6 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     qual.add_argument("--min-shown", type=float, default=0.5, help="the inline threshold is "
                       "the one with the best exact match of shown suggestions among those "
                       "showing at least this share")
+    qual.add_argument("--outside", action="store_true", help="sample the code of installed "
+                      "projects the bundled model never saw in training (pygls, watchfiles) "
+                      "instead of --files")
+    qual.add_argument("--min-written", type=float, default=0.2, help="the docstring threshold "
+                      "is the lowest with no junk among those writing at least this share "
+                      "(none qualifies: the hook writes none with this model)")
+    qual.add_argument("--save", action="store_true", help="keep the chosen thresholds with the "
+                      "model (quality.json in its directory): the docstring hook's default")
     qual.add_argument("--json", help="write the results to this file")
     qual.add_argument("--plot", help="write a PNG of quality against the threshold here")
     qual.set_defaults(func=cmd_bench_quality)

@@ -17,11 +17,14 @@ otherwise 0. Files not ending in `.py` are skipped with a note; they do not set 
 `--check` runs the model as a real run does, so it reports exactly what that run would change.
 A function the model has nothing usable for is reported as skipped and left alone; it does
 not set the status either. Usable means: it passes the quality rules (engine/decode/quality.py:
-no loop, and a confidence of at least `docstring_min_confidence` from the config, or
-`--min-confidence`) and reads as documentation of that definition (engine/decode/docgate.py:
-prose with no line of code, English words or the module's own names, parameter sections
-naming its real parameters, examples that call it, a summary sentence); the reason for a
-skip says which rule it failed. `--check` lists what would be added and what would be skipped. A
+no loop, and a confidence of at least the threshold: `--min-confidence`, else the config's
+`docstring_min_confidence`, else the model's own, which `ahead bench quality --save` chose
+and keeps in quality.json beside it, else 0.25) and reads as documentation of that
+definition (engine/decode/docgate.py: prose with no line of code, English words or the
+module's own names, parameter sections naming its real parameters, examples that call it,
+references to what the module names, a summary sentence); the reason for a skip says which
+rule it failed. `--check` lists what would be added and what would be skipped. A model whose
+quality.json says that no threshold passes writes none: the hook says so and exits 0. A
 fatal error (no model, a daemon that cannot start) exits 1 with a message, as every `ahead`
 command does.
 """
@@ -211,20 +214,38 @@ def command(args: argparse.Namespace, load_engine: Callable[[argparse.Namespace]
     """`ahead docstrings`, given the CLI's engine loader and model-directory resolution."""
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    threshold = args.min_confidence
-    if threshold is None:
-        from daemon.config import load_settings
 
-        threshold = load_settings().docstring_min_confidence
-    if args.no_daemon:
-        return run(args.files, lambda: engine_completer(load_engine(args), args.max_tokens,
-                                                        threshold), check=args.check)
-    from daemon.client import SyncClient
+    def threshold() -> float:
+        """Resolved when the model is first needed (a file with nothing to do needs none)."""
+        if args.min_confidence is not None:
+            return float(args.min_confidence)
+        from daemon.config import docstring_threshold, load_settings
 
-    with contextlib.ExitStack() as stack:
-        def make() -> Completer:
-            client = stack.enter_context(SyncClient(serve_args=serve_args(args, model_dir),
-                                                    client_name="ahead docstrings"))
-            return daemon_completer(client, args.max_tokens, threshold)
+        value, source = docstring_threshold(load_settings(), model_dir(args))
+        if value is None:
+            raise WritesNone(source)
+        return value
 
-        return run(args.files, make, check=args.check)
+    try:
+        if args.no_daemon:
+            return run(args.files, lambda: engine_completer(
+                load_engine(args), args.max_tokens, threshold()), check=args.check)
+        from daemon.client import SyncClient
+
+        with contextlib.ExitStack() as stack:
+            def make() -> Completer:
+                limit = threshold()
+                client = stack.enter_context(SyncClient(serve_args=serve_args(args, model_dir),
+                                                        client_name="ahead docstrings"))
+                return daemon_completer(client, args.max_tokens, limit)
+
+            return run(args.files, make, check=args.check)
+    except WritesNone as e:
+        print(f"ahead docstrings: this model's docstrings do not pass; nothing written "
+              f"(`ahead bench quality` found no threshold at which it writes docstrings that "
+              f"are not junk: {e}; --min-confidence overrides)", file=sys.stderr)
+        return 0
+
+
+class WritesNone(Exception):
+    """The model's measured docstrings pass at no threshold (its quality.json, the source)."""

@@ -35,7 +35,9 @@
     # geometric mean of its tokens' probabilities) is below the threshold is not shown or
     # written; 0 shows everything the loop and echo rules let through.
     min_confidence = 0.3             # inline completions (editors, `ahead complete`)
-    docstring_min_confidence = 0.25  # the docstring hook
+    docstring_min_confidence = 0.25  # the docstring hook (default: the model's own, chosen by
+                                     # `ahead bench quality --save` and kept in quality.json
+                                     # beside it, which may say that it writes none; else 0.25)
 
 Every key may also come from `AHEAD_<KEY>` (e.g. AHEAD_MODEL); command-line flags win over
 both. Unknown keys and wrong types are errors that name the file and the key.
@@ -43,6 +45,7 @@ both. Unknown keys and wrong types are errors that name the file and the key.
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -93,7 +96,7 @@ class Settings:
     http: str | None = None
     log_max_bytes: int = 10 * 1024 * 1024
     min_confidence: float = MIN_CONFIDENCE
-    docstring_min_confidence: float = DOCSTRING_MIN_CONFIDENCE
+    docstring_min_confidence: float | None = None  # None: the model's (docstring_threshold)
 
     def __post_init__(self) -> None:
         for name in SWITCHES:
@@ -124,7 +127,7 @@ class Settings:
         if self.log_max_bytes < 1024:
             raise ConfigFileError("log_max_bytes must be at least 1024")
         for name in ("min_confidence", "docstring_min_confidence"):
-            if not 0 <= getattr(self, name) < 1:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 raise ConfigFileError(f"{name} must be in [0, 1), not {getattr(self, name)!r}")
 
 
@@ -173,3 +176,40 @@ def load_settings(path: Path | None = None, env: dict[str, str] | None = None) -
         return Settings(**values)
     except ConfigFileError as e:
         raise ConfigFileError(f"{path}: {e}") from None
+
+
+QUALITY_FILE = "quality.json"  # in a model's directory: `ahead bench quality --save`
+
+
+def docstring_threshold(settings: Settings, model_dir: Path) -> tuple[float | None, str]:
+    """The docstring hook's threshold, and where it comes from: the config's, else the one
+    `ahead bench quality --save` chose for this model (None: no threshold passed, the hook
+    writes none with it), else DOCSTRING_MIN_CONFIDENCE."""
+    if settings.docstring_min_confidence is not None:
+        return settings.docstring_min_confidence, "the config"
+    path = Path(model_dir) / QUALITY_FILE
+    if not path.is_file():
+        return DOCSTRING_MIN_CONFIDENCE, "the default"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigFileError(f"{path}: {e}") from None
+    value = data.get("docstring_min_confidence") if isinstance(data, dict) else 0
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not 0 <= value < 1):
+        raise ConfigFileError(f"{path}: docstring_min_confidence must be a number in [0, 1) "
+                              f"or null, not {value!r}")
+    return value, str(path)
+
+
+def save_model_quality(model_dir: Path, chosen: dict[str, Any], measured_on: list[str]) -> Path:
+    """Keep `ahead bench quality`'s chosen thresholds beside the model (written atomically)."""
+    path = Path(model_dir) / QUALITY_FILE
+    data = {**chosen, "measured_on": measured_on}
+    tmp = path.with_name(f".{QUALITY_FILE}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigFileError(f"cannot write {path}: {e}") from None
+    return path

@@ -10,7 +10,13 @@ import pytest
 from daemon import protocol as p
 from daemon.backends.local import LocalBackend
 from daemon.client import Client
-from daemon.config import ConfigFileError, load_settings
+from daemon.config import (
+    DOCSTRING_MIN_CONFIDENCE,
+    ConfigFileError,
+    docstring_threshold,
+    load_settings,
+    save_model_quality,
+)
 from daemon.instance import InstanceLock
 from daemon.server import Server
 from engine import Engine
@@ -77,3 +83,21 @@ async def test_the_daemon_follows_the_config_file_to_another_model(
     await client.close()
     server.stop()
     await asyncio.wait_for(task, 30)
+
+
+def test_the_docstring_threshold_is_the_configs_else_the_models_else_the_default(
+        tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    none = load_settings(tmp_path / "none.toml", env={})
+    assert docstring_threshold(none, model) == (DOCSTRING_MIN_CONFIDENCE, "the default")
+    saved = save_model_quality(model, {"docstring_min_confidence": None}, ["pygls 2.1.1"])
+    assert docstring_threshold(none, model) == (None, str(saved))  # the model writes none
+    save_model_quality(model, {"docstring_min_confidence": 0.4}, ["pygls 2.1.1"])
+    assert docstring_threshold(none, model)[0] == 0.4
+    configured = load_settings(tmp_path / "none.toml",
+                               env={"AHEAD_DOCSTRING_MIN_CONFIDENCE": "0.1"})
+    assert docstring_threshold(configured, model) == (0.1, "the config")
+    (model / "quality.json").write_text("{not json")
+    with pytest.raises(ConfigFileError, match=r"quality\.json"):
+        docstring_threshold(none, model)

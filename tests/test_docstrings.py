@@ -221,7 +221,8 @@ def test_a_verdict_that_depends_on_the_neighbours_is_reached_in_one_run() -> Non
 
 def test_the_bundled_models_second_run_changes_nothing(model_dir: Path) -> None:
     """The issue's sample (a function, a cached one, a class with a method and an async
-    generator), the hook's default threshold: a second run over the first run's file adds
+    generator), at 0.25 (the default for a model `ahead bench quality` has not measured; the
+    bundled model's own says it writes none): a second run over the first run's file adds
     nothing."""
     source = (
         "import functools\n\n\ndef add(a, b):\n    return a + b\n\n\n"
@@ -321,6 +322,59 @@ def test_pre_commit_hook_writes_what_the_gate_passes_and_skips_the_rest(
                   "--max-tokens", str(HOOK_TOKENS), "--min-confidence", "0.9999",
                   str(repo / "again.py"))
     assert check.returncode == 0 and "skipped" in check.stderr and "not sure" in check.stderr
+
+
+@pytest.fixture(scope="module")
+def coder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Taught to write a summary and then a line of code as every docstring (#28's junk:
+    code inside the docstring)."""
+    path = tmp_path_factory.mktemp("coder")
+    write_checkpoint(path, "tiny-qwen3", train_steps=1000, seed=0,
+                     docstring="Get the key.\n\nreturn key\n")
+    return path
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_pre_commit_leaves_a_file_alone_where_the_models_text_has_code(
+        coder_dir: Path, tmp_path: Path) -> None:
+    """The real pre-commit, a real model whose docstring has a line of code in it, no
+    threshold: the file is left as it was, the hook passes, and it says why it wrote nothing."""
+    pytest.importorskip("pre_commit")
+    repo, run = hook_repo(tmp_path, coder_dir, "--max-tokens", "48", "--min-confidence", "0",
+                          verbose=True)
+    (repo / "other.py").write_text(FROB["other.py"])
+    assert run("git", "init", "-q").returncode == 0
+    assert run("git", "add", ".pre-commit-config.yaml", "other.py").returncode == 0
+    first = run(sys.executable, "-m", "pre_commit", "run", "--files", "other.py")
+    assert first.returncode == 0 and "Passed" in first.stdout, first.stdout + first.stderr
+    assert (repo / "other.py").read_text() == FROB["other.py"]
+    assert "other.py:1: skipped get: not a docstring for it: a line of code: 'return key'" \
+        in first.stdout, first.stdout
+
+
+def test_a_model_whose_docstrings_do_not_pass_writes_none_and_says_so(
+        writer_dir: Path, tmp_path: Path) -> None:
+    """`ahead bench quality --save` found no threshold for the model (quality.json beside it
+    says so): the hook writes nothing and says why, exit 0 (pre-commit passes);
+    --min-confidence overrides; a quality.json that cannot be read is an error naming it."""
+    model = tmp_path / "model"
+    shutil.copytree(writer_dir, model)
+    path = tmp_path / "a.py"
+    path.write_text(FROB["other.py"])
+    (model / "quality.json").write_text('{"docstring_min_confidence": null}\n')
+    env = {**os.environ, "AHEAD_CONFIG": str(tmp_path / "none.toml")}
+    none = ahead("docstrings", "--no-daemon", "--model", str(model), *FAST, str(path), env=env)
+    assert none.returncode == 0, none.stderr
+    assert "this model's docstrings do not pass; nothing written" in none.stderr
+    assert path.read_text() == FROB["other.py"]
+    forced = ahead("docstrings", "--no-daemon", "--model", str(model), *FAST,
+                   "--min-confidence", "0", str(path), env=env)
+    assert forced.returncode == 1 and documented(path.read_text())["get"], forced.stderr
+    (model / "quality.json").write_text('{"docstring_min_confidence": "high"}\n')
+    path.write_text(FROB["other.py"])  # work to do: the model is needed
+    bad = ahead("docstrings", "--no-daemon", "--model", str(model), *FAST, str(path), env=env)
+    assert bad.returncode == 1 and "quality.json" in bad.stderr \
+        and "docstring_min_confidence must be" in bad.stderr, bad.stderr
 
 
 def test_hook_manifest_names_the_command() -> None:

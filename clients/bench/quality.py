@@ -7,7 +7,8 @@ rule and post-processing): line starts (after a line end), mid-line, the first l
 first line is exactly the author's, and how much of it, character by character from the
 start, is the author's. Docstrings: functions whose docstring the authors wrote have it
 taken out and written as the hook writes it; its first line is compared with theirs
-(similarity), and the share that is degenerate (a loop, or a word trigram said twice).
+(similarity), and each written one judged junk or not by the bench's own check
+(clients/bench/docquality.py), with the docstring gate and, as before it, without.
 
 Each position runs twice: without the rules (no loop stop, nothing withheld) and with them
 (loop stop, echo rule, threshold); the second is then swept over thresholds.
@@ -16,7 +17,6 @@ Each position runs twice: without the rules (no loop stop, nothing withheld) and
 from __future__ import annotations
 
 import ast
-import difflib
 import random
 import re
 from collections.abc import Callable
@@ -24,22 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clients.docstring_edit import (
-    QUOTES,
-    Target,
-    clean,
-    fim_request,
-    module_names,
-    parameters,
-    split_lines,
+from clients.bench.docquality import (
+    choose_docstring_threshold,
+    docstring_at,
+    sample_docstrings,
+    summary,
 )
 from engine import Engine, GenParams
-from engine.decode import docgate, quality
+from engine.decode import quality
 from lsp.postprocess import ask_for, cursor_lines, postprocess
 
 KINDS = ("line_start", "mid_line", "after_def", "body")
 THRESHOLDS = (0.0, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7)
-_WORDS = re.compile(r"\w+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,70 +144,6 @@ def complete_at(engine: Engine, c: Cursor, *, rules: bool, max_tokens: int) -> A
                   bool(first) and first == want, same / len(first) if first else 0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class DocCase:
-    source: str
-    prefix: str
-    suffix: str
-    expected: str  # the first line of the authors' docstring
-    context: docgate.DocContext  # what the docstring may name (the hook's gate)
-
-
-def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
-    """Functions with a docstring of their own on its own lines, the docstring taken out."""
-    found: list[DocCase] = []
-    for f in files:
-        text = f.read_text(encoding="utf-8")
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        lines, names = split_lines(text), module_names(tree)
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            doc = ast.get_docstring(node)
-            first = node.body[0]
-            if not doc or first.end_lineno is None or first.lineno <= node.lineno \
-                    or not lines[first.lineno - 1].lstrip().startswith(QUOTES):
-                continue
-            rest = [*lines[:first.lineno - 1], *lines[first.end_lineno:]]
-            indent = lines[first.lineno - 1][:len(lines[first.lineno - 1])
-                                             - len(lines[first.lineno - 1].lstrip())]
-            target = Target(node.name, node.lineno, first.lineno - 1, indent, "\n")
-            prefix, suffix = fim_request(rest, target)
-            found.append(DocCase(f"{f.name}:{node.lineno}", prefix, suffix,
-                                 doc.strip().split("\n")[0],
-                                 docgate.DocContext(node.name, parameters(node), *names)))
-    random.Random(seed).shuffle(found)
-    return found[:num]
-
-
-def degenerate(text: str) -> bool:
-    """A docstring a reader would call junk: no words, or a word trigram said twice."""
-    words = [w.lower() for w in _WORDS.findall(text)]
-    grams = list(zip(words, words[1:], words[2:], strict=False))
-    return not words or len(set(grams)) < len(grams)
-
-
-def docstring_at(engine: Engine, d: DocCase, *, rules: bool,
-                 max_tokens: int) -> tuple[str, float, bool]:
-    """The hook's docstring at threshold 0 ("" when it would skip), its confidence, and
-    whether the rules withheld it."""
-    prompt = engine.fill_in_prompt(d.prefix, d.suffix, max_new_tokens=max_tokens)
-    gen = engine.generate(prompt.ids, GenParams(max_new_tokens=max_tokens, stop=(QUOTES,),
-                                                forced=prompt.forced, stop_loops=rules),
-                          slot="bench")
-    scores, text = gen.confidence, clean(gen.text)
-    withheld = rules and (quality.verdict(text, gen.finish_reason, scores, 0.0) is not None
-                          or not text or docgate.problem(text, d.context) is not None)
-    return ("" if withheld else text), (scores.score if scores else 0.0), withheld
-
-
-def similarity(a: str, b: str) -> float:
-    return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
-
-
 def bench_quality(engine: Engine, files: list[Path], *, num: int = 120, docs: int = 40,
                   seed: int = 0, max_tokens: int = 48,
                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -227,8 +159,7 @@ def bench_quality(engine: Engine, files: list[Path], *, num: int = 120, docs: in
                 progress(f"{name}: completion {i + 1}/{len(cursors)}")
         written = []
         for i, d in enumerate(cases):
-            text, score, _ = docstring_at(engine, d, rules=rules, max_tokens=max_tokens)
-            written.append((d, text, score))
+            written.append((d, *docstring_at(engine, d, rules=rules, max_tokens=max_tokens)))
             if progress:
                 progress(f"{name}: docstring {i + 1}/{len(cases)}")
         runs[name] = {"completions": [(c, a) for c, a in zip(cursors, answers, strict=True)],
@@ -247,61 +178,64 @@ def _inline(pairs: list[tuple[Cursor, Answer]], threshold: float) -> dict[str, A
                         max(1, sum(c.kind == k for c, _ in shown)) for k in KINDS}}
 
 
-def _docs(written: list[tuple[DocCase, str, float]], threshold: float) -> dict[str, Any]:
-    kept = [(d, t) for d, t, s in written if t and s >= threshold]
-    n = len(kept)
-    return {"cases": len(written), "written_rate": n / len(written) if written else 0.0,
-            "similarity": sum(similarity(t.split("\n")[0], d.expected) for d, t in kept) / n
-            if n else 0.0,
-            "degenerate_written": sum(degenerate(t) for _, t in kept),
-            "degenerate_share": sum(degenerate(t) for _, t in kept) / n if n else 0.0}
-
-
 def summarise(runs: dict[str, Any]) -> dict[str, Any]:
+    """"before": no rules (no loop stop, nothing withheld); then each threshold with the rules,
+    docstrings judged with the gate and, as before it, by the loop rules alone."""
     before, after = runs["before"], runs["after"]
     return {
         "before": {"inline": _inline(before["completions"], 0.0),
-                   "docstrings": _docs(before["docstrings"], 0.0)},
+                   "docstrings": summary(before["docstrings"], 0.0, gate=False)},
         "sweep": [{"threshold": t, "inline": _inline(after["completions"], t),
-                   "docstrings": _docs(after["docstrings"], t)} for t in THRESHOLDS],
+                   "docstrings": summary(after["docstrings"], t, gate=True),
+                   "docstrings_no_gate": summary(after["docstrings"], t, gate=False)}
+                  for t in THRESHOLDS],
     }
 
 
-def choose(result: dict[str, Any], *, min_shown: float, min_written: float) -> dict[str, float]:
-    """The thresholds the config defaults come from: for inline completions, the one that
-    maximises the exact match of what is shown while at least `min_shown` of the positions
-    get a suggestion; for docstrings, the lowest that writes no degenerate docstring, if
-    it writes at least `min_written` of them, else the lowest with the fewest degenerate."""
+def choose(result: dict[str, Any], *, min_shown: float,
+           min_written: float) -> dict[str, float | None]:
+    """The thresholds the defaults come from: for inline completions, the one that maximises
+    the exact match of what is shown while at least `min_shown` of the positions get a
+    suggestion; for docstrings, `choose_docstring_threshold` (None: write none)."""
     sweep = result["sweep"]
     ok = [r for r in sweep if r["inline"]["shown_rate"] >= min_shown] or sweep[:1]
     inline = max(ok, key=lambda r: (r["inline"]["exact_of_shown"], -r["threshold"]))
-    clean_docs = [r for r in sweep if r["docstrings"]["degenerate_written"] == 0
-                  and r["docstrings"]["written_rate"] >= min_written]
-    docs = clean_docs[0] if clean_docs else min(
-        sweep, key=lambda r: (r["docstrings"]["degenerate_written"], r["threshold"]))
-    return {"min_confidence": inline["threshold"],
-            "docstring_min_confidence": docs["threshold"]}
+    positions = result["before"]["inline"]["positions"]
+    return {"min_confidence": inline["threshold"] if positions else None,
+            "docstring_min_confidence": choose_docstring_threshold(sweep, min_written),
+            "docstring_min_written": min_written}
 
 
 def format_report(result: dict[str, Any]) -> str:
     b = result["before"]
     head = (f"{'':<26}{'shown':>7}{'exact':>7}{'prefix':>8}{'exact/all':>10}"
-            f"{'docs':>7}{'sim':>6}{'degen':>7}")
+            f"{'docs':>7}{'sim':>6}{'junk':>7}{'no gate: docs':>15}{'junk':>7}")
 
-    def row(label: str, i: dict[str, Any], d: dict[str, Any]) -> str:
+    def docs(d: dict[str, Any]) -> str:
+        return f"{d['written']:>4d}/{d['cases']:<3d}{d['junk_written']:>6d}"
+
+    def row(label: str, i: dict[str, Any], d: dict[str, Any],
+            ungated: dict[str, Any] | None) -> str:
         return (f"{label:<26}{i['shown_rate']:>7.2f}{i['exact_of_shown']:>7.2f}"
                 f"{i['prefix_of_shown']:>8.2f}{i['exact_of_all']:>10.2f}"
-                f"{d['written_rate']:>7.2f}{d['similarity']:>6.2f}"
-                f"{d['degenerate_written']:>4d}/{round(d['written_rate'] * d['cases'])}")
+                f"{d['written']:>4d}/{d['cases']:<3d}{d['similarity']:>5.2f}"
+                f"{d['junk_written']:>6d}" + (f"{'':>6}{docs(ungated)}" if ungated else ""))
 
     lines = [f"{b['inline']['positions']} cursor positions, {b['docstrings']['cases']} "
-             "docstrings", head, row("before (no rules)", b["inline"], b["docstrings"])]
+             "docstrings (junk: the bench's own check, not the gate)", head,
+             row("before (no rules)", b["inline"], b["docstrings"], None)]
     for r in result["sweep"]:
-        lines.append(row(f"rules, threshold {r['threshold']:.2f}", r["inline"], r["docstrings"]))
+        lines.append(row(f"rules, threshold {r['threshold']:.2f}", r["inline"], r["docstrings"],
+                         r["docstrings_no_gate"]))
     if "chosen" in result:
         c = result["chosen"]
-        lines.append(f"chosen: min_confidence = {c['min_confidence']}, "
-                     f"docstring_min_confidence = {c['docstring_min_confidence']}")
+        doc = c["docstring_min_confidence"]
+        inline = c["min_confidence"]
+        lines.append(f"chosen: min_confidence = {'-' if inline is None else inline}, "
+                     f"docstring_min_confidence = {doc if doc is not None else 'none'}" + (
+                         "" if doc is not None else
+                         f" (no threshold writes {c['docstring_min_written']:.0%} of the "
+                         "docstrings with none junk: the hook writes none with this model)"))
     return "\n".join(lines)
 
 
@@ -319,8 +253,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.plot(ts, [r["inline"][key] for r in result["sweep"]], marker="o", label=label)
     ax.plot(ts, [r["docstrings"]["written_rate"] for r in result["sweep"]], ls="--",
             label="docstrings written")
-    ax.plot(ts, [r["docstrings"]["degenerate_share"] for r in result["sweep"]], ls="--",
-            label="degenerate share of written")
+    ax.plot(ts, [r["docstrings"]["junk_written"] / max(1, r["docstrings"]["written"])
+                 for r in result["sweep"]], ls="--", label="junk share of written")
     ax.set_xlabel("confidence threshold (geometric-mean token probability)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
