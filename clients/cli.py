@@ -234,6 +234,18 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from clients.models_cmd import command
+
+    return command(args)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from clients.doctor import command
+
+    return command(args)
+
+
 def cmd_docstrings(args: argparse.Namespace) -> int:
     from clients.docstrings import command
 
@@ -444,8 +456,24 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--no-daemon", action="store_true",
                      help="run the model in this process instead of through the daemon")
     doc.add_argument("--min-confidence", type=float, help="the confidence a docstring needs "
-                     "to be written (default: docstring_min_confidence in the config; 0: any)")
+                     "to be written (default: the config's docstring_min_confidence, else the "
+                     "model's own from `ahead bench quality --save`, else 0.25; 0: any)")
     doc.set_defaults(func=cmd_docstrings)
+
+    mods = sub.add_parser("models", help="the checkpoints ahead can run (the bundled model, "
+                          "the Hugging Face cache, DIRs) and how: family, parameters, MTP, "
+                          "device, dtype, memory; or why not")
+    mods.add_argument("dirs", nargs="*", metavar="DIR",
+                      help="a model directory, or a directory of them")
+    add_model_args(mods)
+    mods.add_argument("--json", action="store_true", help="print JSON")
+    mods.set_defaults(func=cmd_models)
+
+    doctor = sub.add_parser("doctor", help="what to check when something is off: torch and "
+                            "the device, the compiler, the daemon's directories and socket, the "
+                            "config, the editors' command, the model, the HTTP endpoint")
+    doctor.add_argument("--model", help="the model to check (default: as `ahead serve` picks)")
+    doctor.set_defaults(func=cmd_doctor)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
                          "ahead and for tests; random or briefly trained weights)")

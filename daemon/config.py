@@ -62,7 +62,7 @@ def switch(value: str | None) -> bool | None:
 
 BACKENDS = ("local", "openai")
 QUANT_MODES = ("auto", "none", "int8", "int4", "int8dyn")  # engine.model.quant.MODES
-# Chosen with `ahead bench quality` on held-out code (see the README's benchmarks).
+# Chosen with `ahead bench quality` on held-out code (see docs/benchmarks.md).
 MIN_CONFIDENCE, DOCSTRING_MIN_CONFIDENCE = 0.3, 0.25
 FIM_TEMPLATES = ("qwen", "deepseek", "starcoder", "codellama", "infill")
 

@@ -137,6 +137,20 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
 
     A heads file beside a checkpoint without MTP modules adds its modules (unless `heads`
     is False)."""
+    model, expected, files = check_checkpoint(model_dir, heads=heads)
+    state = _read_tensors(expected, files, torch.device(device), dtype)
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval()
+
+
+Expected = dict[str, tuple[str, tuple[int, ...]]]  # stored name -> (our name, shape)
+
+
+def check_checkpoint(model_dir: str | Path, *,
+                     heads: bool = True) -> tuple[Transformer, Expected, dict[str, Path]]:
+    """What `load_model` checks before it reads a tensor: the config, the files' headers and
+    every tensor's name; the model on the meta device, the tensors it expects and their
+    files. Raises ConfigError or CheckpointError with the reason."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -153,9 +167,7 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
     expected = {stored(to_checkpoint_name(n, cfg)): (n, tuple(p.shape))
                 for n, p in model.state_dict().items()}
     _check_names(expected, files, cfg, model_dir)
-    state = _read_tensors(expected, files, torch.device(device), dtype)
-    model.load_state_dict(state, assign=True, strict=True)
-    return model.eval()
+    return model, expected, files
 
 
 # The multimodal Qwen3.5 wrapper: the text model under model.language_model., beside a

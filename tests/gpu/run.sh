@@ -50,7 +50,7 @@ first() {  # `ahead serve` to the first suggestion, with the compile caches of /
     return $rc
 }
 export -f first since
-# What has never run on a GPU first; what earlier runs measured (README "On a GPU") after.
+# What has never run on a GPU first; what earlier runs measured (docs/benchmarks.md, "On a GPU") after.
 part gpu-tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
 part profile 90 python3 tests/gpu/profile_step.py --preset qwen2-1.5b
 part lsp 50 $AHEAD bench lsp --json "$OUT/lsp.json"
