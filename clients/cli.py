@@ -23,15 +23,11 @@ EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
-    from training.corpus import heldout_stdlib_files
 
     if args.preset or args.slots > 1 or args.context or args.synthetic_acceptance:
         return _bench_steps(args)
+    files, sources = _bench_files(args)
     engine = load_engine(args)
-    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
-    missing = [f for f in files if not f.is_file()]
-    if missing:
-        raise CliError(f"prompt file {missing[0]} does not exist")
     prompts = cursor_prompts(engine, files, args.num_prompts, args.seed,
                              max_new_tokens=args.max_new_tokens)
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
@@ -58,6 +54,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
                               peer=peer, progress=progress)
     result["heldout_loss"] = heldout_loss(engine, files)
     result["model"] = str(model_dir(args))
+    result["sources"] = sources
+    for src in sources:
+        print(f"code: {src['project']} {src['version']} ({src['licence']}), {src['files']} files")
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
     result["exact"] = engine.exactness
@@ -187,20 +186,29 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from clients.bench.quality import bench_quality, choose, format_report, plot
-    from training.corpus import heldout_stdlib_files
-
-    sources: list[dict[str, str]] = []
+def _bench_files(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
+    """The code a bench samples: --outside (installed projects the bundled model never saw,
+    with their versions and licences), --files, else the held-out standard library."""
     if args.outside:
         from clients.bench.docquality import outside_code
 
-        files, sources = outside_code()
-    else:
-        files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
+        try:
+            return outside_code()
+        except (ValueError, ImportError) as e:
+            raise CliError(f"--outside: {e}") from None
+    from training.corpus import heldout_stdlib_files
+
+    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CliError(f"file {missing[0]} does not exist")
+    return files, []
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from clients.bench.quality import bench_quality, choose, format_report, plot
+
+    files, sources = _bench_files(args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -343,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(eng)
     eng.add_argument("--files", nargs="+", help="source files to cut prompts from "
                      "(default: held-out standard-library modules)")
+    eng.add_argument("--outside", action="store_true", help="cut prompts from installed "
+                     "projects the bundled model never saw in training (pygls, watchfiles)")
     eng.add_argument("--num-prompts", type=int, default=60,
                      help="prompts, each run in every mode (default 60: with 20, the "
                      "best modes swap places between runs)")

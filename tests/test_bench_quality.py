@@ -150,3 +150,23 @@ def test_a_small_run_and_the_thresholds_it_chooses(trained_engine: Engine,
     chosen = bq.choose(result, min_shown=0.0, min_written=0.0)
     assert chosen["min_confidence"] in bq.THRESHOLDS
     assert "threshold" in bq.format_report(result).split("\n")[3]
+
+
+def test_outside_code_is_installed_code_the_model_never_saw() -> None:
+    import importlib.metadata
+    import json
+
+    from engine.bundled import bundled_model_dir
+
+    files, record = dq.outside_code()
+    assert [r["project"] for r in record] == list(dq.OUTSIDE)
+    for r in record:
+        assert r["version"] == importlib.metadata.version(r["project"]) and r["licence"] \
+            not in ("", "unknown")
+    assert len(files) == sum(int(r["files"]) for r in record) > 10
+    assert all(f.suffix == ".py" and f.is_file() for f in files)
+    bundled = bundled_model_dir()
+    assert bundled is not None
+    trained = {json.loads(line)["path"].rpartition("site-packages/")[2].split("/")[0]
+               for line in (bundled / "corpus-manifest.jsonl").read_text().splitlines()}
+    assert not set(dq.OUTSIDE) & trained
