@@ -55,8 +55,6 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result["heldout_loss"] = heldout_loss(engine, files)
     result["model"] = str(model_dir(args))
     result["sources"] = sources
-    for src in sources:
-        print(f"code: {src['project']} {src['version']} ({src['licence']}), {src['files']} files")
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
     result["exact"] = engine.exactness
@@ -193,9 +191,13 @@ def _bench_files(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, s
         from clients.bench.docquality import outside_code
 
         try:
-            return outside_code()
+            files, sources = outside_code()
         except (ValueError, ImportError) as e:
             raise CliError(f"--outside: {e}") from None
+        for src in sources:
+            print(f"code: {src['project']} {src['version']} ({src['licence']}), "
+                  f"{src['files']} files")
+        return files, sources
     from training.corpus import heldout_stdlib_files
 
     files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()
@@ -225,8 +227,6 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     result["chosen"] = choose(result, min_shown=args.min_shown, min_written=args.min_written)
     result["files"] = [str(f) for f in files]
     result["sources"] = sources
-    for src in sources:
-        print(f"code: {src['project']} {src['version']} ({src['licence']}), {src['files']} files")
     print(format_report(result))
     if args.save:
         from daemon.config import save_model_quality

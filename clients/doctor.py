@@ -9,7 +9,6 @@ where they do not exist yet, as the daemon would.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import socket
@@ -77,7 +76,7 @@ def _dirs() -> list[Check]:
 
 def _daemon() -> Check:
     from daemon import paths
-    from daemon.client import Client, DaemonUnavailable
+    from daemon.client import DaemonUnavailable, SyncClient
 
     try:
         sock = paths.socket_path()
@@ -86,15 +85,9 @@ def _daemon() -> Check:
     if not sock.exists():
         return Check("daemon", NOTE, f"not running (editors and commands start it; {sock})")
 
-    async def ask() -> dict:
-        client = Client(sock, autostart=False)
-        try:
-            return await client.status()
-        finally:
-            await client.close()
-
     try:
-        info = asyncio.run(ask())
+        with SyncClient(socket_path=sock, autostart=False) as client:
+            info = client.status()
     except DaemonUnavailable as e:
         return Check("daemon", FAIL, f"{sock} is there but nobody answers ({e}): a daemon that "
                      "died; `ahead stop`, or remove the file")

@@ -92,7 +92,12 @@ def inspect(name: str, path: Path, options: dict[str, Any]) -> Found:
     device, dtype = options["device"], options["dtype"]
     found.device, found.dtype = device, str(dtype).removeprefix("torch.")
     size = DTYPE_BYTES.get(found.dtype, 4)
-    found.quant = _quant(options["quant"], device, found.parameters * size)
+    found.quant = options["quant"]
+    if found.quant == "auto":  # the engine's rule, on its matmul weights in the run dtype
+        from engine.model.quant import auto_mode, matmul_bytes
+
+        loaded = matmul_bytes(model) // model.model.embed_tokens.weight.element_size() * size
+        found.quant = auto_mode(str(device).partition(":")[0], loaded)
     per = {"int8": 1.0, "int4": 0.5}.get(found.quant, size)
     found.weights_bytes = int(found.parameters * per)
     attention = sum(1 for kind in cfg.layer_types if kind == FULL) \
@@ -100,18 +105,6 @@ def inspect(name: str, path: Path, options: dict[str, Any]) -> Found:
     found.cache_bytes = (2 * attention * cfg.num_kv_heads * cfg.head_dim * options["max_seq_len"]
                          * (options["slots"] + 1) * size)
     return found
-
-
-def _quant(mode: str, device: str, nbytes: int) -> str:
-    """What `auto` would pick (engine/model/quant.py's rule: int8 for 1 GB or more of weights
-    where our CPU kernels run), or the mode asked for."""
-    if mode != "auto":
-        return mode
-    from engine import native
-    from engine.model.quant import AUTO_BYTES
-
-    cpu = device == "cpu"
-    return "int8" if cpu and nbytes >= AUTO_BYTES and native.available() else "none"
 
 
 def command(args: argparse.Namespace) -> int:

@@ -204,12 +204,11 @@ def docstring_threshold(settings: Settings, model_dir: Path) -> tuple[float | No
 
 def save_model_quality(model_dir: Path, chosen: dict[str, Any], measured_on: list[str]) -> Path:
     """Keep `ahead bench quality`'s chosen thresholds beside the model (written atomically)."""
+    from daemon.paths import write_atomic
+
     path = Path(model_dir) / QUALITY_FILE
-    data = {**chosen, "measured_on": measured_on}
-    tmp = path.with_name(f".{QUALITY_FILE}.tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({**chosen, "measured_on": measured_on}, indent=2) + "\n")
     except OSError as e:
         raise ConfigFileError(f"cannot write {path}: {e}") from None
     return path

@@ -68,7 +68,7 @@ def test_degenerate_docstrings() -> None:
 def _case(params: tuple[str, ...] = ("values", "start"),
           imports: frozenset[str] = frozenset({"os"})) -> dq.DocCase:
     return dq.DocCase("m.py:1", "", "", "", DocContext("total", params, frozenset(), imports),
-                      params, imports)
+                      params)
 
 
 # The junk (#28) and more, each with the start of the reason the bench's check gives.

@@ -58,7 +58,6 @@ class DocCase:
     expected: str  # the first line of the authors' docstring
     context: docgate.DocContext  # what the docstring may name (the hook's gate)
     params: tuple[str, ...] = ()  # for `junk`: every parameter name, as written
-    imports: frozenset[str] = frozenset()  # for `junk`: every module the file imports
 
 
 def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
@@ -71,7 +70,6 @@ def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
         except SyntaxError:
             continue
         lines, names = split_lines(text), module_names(tree)
-        imported = _imports(tree)
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
@@ -91,19 +89,9 @@ def sample_docstrings(files: list[Path], num: int, seed: int) -> list[DocCase]:
             found.append(DocCase(f"{f.name}:{node.lineno}", prefix, suffix,
                                  doc.strip().split("\n")[0],
                                  docgate.DocContext(node.name, parameters(node), *names),
-                                 tuple(every), imported))
+                                 tuple(every)))
     random.Random(seed).shuffle(found)
     return found[:num]
-
-
-def _imports(tree: ast.Module) -> frozenset[str]:
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name.partition(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out.add(node.module.partition(".")[0])
-    return frozenset(out)
 
 
 def degenerate(text: str) -> bool:
@@ -133,7 +121,7 @@ def junk(text: str, case: DocCase) -> str | None:
         if line.startswith((">>>", "...")):
             doctest = True
             m = re.match(r"(?:>>>|\.\.\.)\s*(?:from|import)\s+(\w+)", line)
-            if m and m.group(1) not in case.imports:
+            if m and m.group(1) not in case.context.imports:
                 return f"its example imports {m.group(1)}, which the file does not"
             continue
         if doctest:  # a doctest's expected output
@@ -165,7 +153,7 @@ def _references(line: str, case: DocCase) -> str | None:
             return f"a role with no reference: {marker!r}"
         name = target.strip("`~!").removesuffix("()").rpartition(".")[2]
         if name not in case.context.names and name not in case.params \
-                and name not in case.imports and not hasattr(builtins, name) \
+                and name not in case.context.imports and not hasattr(builtins, name) \
                 and not marker.strip(":").endswith(_LABEL_ROLES):
             return f"a reference to {target}, which nothing in the file is called"
     return None

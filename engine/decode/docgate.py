@@ -119,12 +119,11 @@ def problem(text: str, ctx: DocContext) -> str | None:
                 return f"an unknown word: {word!r}"
             continue
         if field := _FIELD.match(s):  # a reST field: `:param n: the number`
-            kind, _, name = field.group(0).strip(":").partition(" ")
+            kind, *named = field.group(0).strip(":").split()
             if kind not in FIELDS:
                 return f"an unknown field: {kind!r}"
-            if kind in PARAM_FIELDS and name.split()[-1:] != [] \
-                    and name.split()[-1] not in ctx.params:
-                return f"it documents a parameter {name.split()[-1]!r} that it does not have"
+            if kind in PARAM_FIELDS and named and named[-1] not in ctx.params:
+                return f"it documents a parameter {named[-1]!r} that it does not have"
             s = s[field.end():].strip()
             if not s:
                 continue

@@ -52,21 +52,16 @@ class DecodeState:
 
     def set_rows(self, slots: list[int], **columns: Sequence[object]) -> None:
         """Write host values into the named per-slot buffers (temperature=[...], ...).
-        The copies do not wait for the device: a copy from pageable host memory is staged
-        before it returns, and the writes queue in order before the step that reads them."""
-        index = to_device(torch.tensor(slots), self.device)
+        The copies do not wait for the device (a blocking copy to a GPU synchronises with its
+        stream, one wait per buffer): a copy from pageable host memory is staged before it
+        returns, and the writes queue in order before the step that reads them."""
+        index = torch.tensor(slots).to(self.device, non_blocking=True)
         for name, values in columns.items():
             buf = getattr(self, name)
-            buf[index] = to_device(torch.tensor(values, dtype=buf.dtype), self.device)
+            buf[index] = torch.tensor(values, dtype=buf.dtype).to(self.device, non_blocking=True)
 
     def idle(self, slot: int) -> None:
         """Make `slot` a row that commits nothing and drafts nothing (the pad rows of a step
         that runs more rows than it has generations), without a copy from the host."""
         for buf in (self.lengths, self.num_drafts, self.plan):
             buf[slot] = 0
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor's copy on the device, queued without waiting for the device's stream
-    (a blocking copy to a GPU synchronises with the stream: one wait per buffer written)."""
-    return t.to(device, non_blocking=True)

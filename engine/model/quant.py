@@ -260,8 +260,12 @@ def resolve(model: Transformer, mode: str) -> str:
 
 def choose(model: Transformer) -> str:
     """What `auto` runs (see AUTO_BYTES)."""
-    cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    return "int8" if cpu and native.available() and matmul_bytes(model) >= AUTO_BYTES \
+    return auto_mode(model.model.embed_tokens.weight.device.type, matmul_bytes(model))
+
+
+def auto_mode(device_type: str, nbytes: int) -> str:
+    """What `auto` runs on a device of this type for `nbytes` of matmul weights as loaded."""
+    return "int8" if device_type == "cpu" and nbytes >= AUTO_BYTES and native.available() \
         else "none"
 
 
