@@ -25,8 +25,10 @@ from engine.decode.draft import catch_up, draft_chain
 from engine.decode.policy import KPolicy
 from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
 from engine.decode.sampling import RowSampling
+from engine.decode.sources import DRAFTS
 from engine.decode.state import DecodeState
 from engine.decode.step import Shape, decode_step, unpack, unpack_logprobs
+from engine.drafting import Drafting, Plan, pending
 from engine.exec.calibration import CalibrationStore, calibrate
 from engine.exec.compile import step_fns
 from engine.exec.graphs import StepGraphs
@@ -48,9 +50,13 @@ class Engine:
                  graphs: bool | None = None, exact: bool | None = None,
                  fixed_shapes: bool | None = None, quant: str = "none",
                  quant_cache: QuantCache | None = None, calibration: CalibrationStore | None = None,
-                 draft_vocab: int = reduced.SIZE) -> None:
+                 draft_vocab: int = reduced.SIZE, drafts: str = "both") -> None:
         """`quant`: quantized matmuls (model/quant.py), codes kept in `quant_cache`; what
-        `calibrate()` measures is kept in `calibration`; drafts score `draft_vocab` tokens."""
+        `calibrate()` measures is kept in `calibration`; drafts score `draft_vocab` tokens,
+        and come from `drafts` unless a generation says otherwise (decode/sources.py)."""
+        if drafts not in DRAFTS:
+            raise ValueError(f"drafts must be one of {', '.join(DRAFTS)}, got {drafts!r}")
+        self.draft_sources = drafts
         self.model, self.tokenizer = model, tokenizer
         self.calibration = calibration
         model.fuse()
@@ -60,7 +66,8 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
         self.max_slots = slots
-        self.k_max = k_max if model.num_mtp else 0
+        self.k_max = k_max  # drafts from the modules or the context (decode/sources.py)
+        self.mtp = model.num_mtp > 0
         self.width = self.k_max + 1  # the widest verify
         # Step shapes that give every row its plain decoding's bits (exec/invariance.py).
         self.invariance = Invariance(self.width, batch_invariant=False, key_invariant=False)
@@ -95,6 +102,7 @@ class Engine:
                          if self.graphs else None)
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
+        self.drafting = Drafting(self.policy, self.state, self.k_max)
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
         self.model_dir: Path | None = None  # where it was loaded from, if from files
         self._masks: dict[str, torch.Tensor] = {}
@@ -105,19 +113,23 @@ class Engine:
              slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
              exact: bool | None = None, fixed_shapes: bool | None = None,
              quant: str = "none", quant_cache: Path | None = None,
-             draft_vocab: int = reduced.SIZE) -> Engine:
-        """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it)."""
+             draft_vocab: int = reduced.SIZE, drafts: str = "both",
+             mtp: bool = True) -> Engine:
+        """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it);
+        `mtp` False: the trunk without its MTP modules (drafts from the context alone)."""
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
-        t0, model = time.perf_counter(), load_model(model_dir, device=device, dtype=dtype)
+        t0 = time.perf_counter()
+        model = load_model(model_dir, device=device, dtype=dtype, mtp=mtp)
         root = quant_cache.parent if quant_cache else cache_dir("")
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
                                                quant=resolve(model, quant), slots=slots,
                                                k_max=k_max, max_seq_len=max_seq_len, exact=exact,
-                                               fixed_shapes=fixed_shapes, draft=draft_vocab)
+                                               fixed_shapes=fixed_shapes, draft=draft_vocab,
+                                               modules=model.num_mtp)
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
                      fixed_shapes=fixed_shapes, quant=quant, calibration=store,
-                     draft_vocab=draft_vocab,
+                     draft_vocab=draft_vocab, drafts=drafts,
                      quant_cache=QuantCache(quant_cache or cache_dir("quant"), Path(model_dir)))
         engine.model_dir = Path(model_dir)
         engine.load_seconds["weights"] = time.perf_counter() - t0  # quantizing included
@@ -180,6 +192,13 @@ class Engine:
     def drafts(self, slot: Hashable = None) -> list[int]:
         """The drafts waiting in the slot for its holder's next verify."""
         return list(self.slots.get(slot).drafts)
+
+    def give_drafts(self, gen: Generation, drafts: list[int]) -> None:
+        """Drafts of the caller's for the generation's next step, in place of the engine's
+        (any tokens: they change how many tokens the step commits, never which)."""
+        if not gen.started or gen.finish_reason is not None:
+            raise ValueError("drafts are given to a generation between its steps")
+        self.drafting.give(gen, self.slots.get(gen.slot), drafts)
 
     def step(self, gens: Sequence[Generation]) -> list[Step | None]:
         """One step of each generation (None for one that has ended): the prefills of those
@@ -244,13 +263,14 @@ class Engine:
                 g.first_logprob = logp
         self.state.set_rows(index, lengths=[s.length for s in slots],
                             tokens=[[g.sequence[-1]] + [0] * self.k_max for g in gens],
-                            num_drafts=[0] * len(gens))
-        self._first_drafts(gens, slots)
+                            num_drafts=[0] * len(gens), given=[False] * len(gens))
+        step_rows = self._rows(len(gens))
+        self._first_drafts(gens, slots, step_rows)
+        self.drafting.choose(gens, slots, step_rows)
         return reused
 
-    def _first_drafts(self, gens: list[Generation], slots: list[Slot]) -> None:
-        rows = self._rows(len(gens))
-        plans = [self._plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
+    def _first_drafts(self, gens: list[Generation], slots: list[Slot], rows: int) -> None:
+        plans = [self.drafting.plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
         k = max(p[0] for p in plans)
         if not k:
             return
@@ -259,7 +279,7 @@ class Engine:
         for s in slots:
             s.mtp_len = s.length
         index = [s.index for s in slots]
-        self._set_plans(index, plans, rows)
+        self.drafting.set_plans(index, plans, rows)
         base = torch.tensor([s.length for s in slots], device=self.device)
         kv_len = self._kv_len(max(s.length for s in slots) + k + 1)
         at = torch.tensor(index, device=self.device)
@@ -271,23 +291,23 @@ class Engine:
         made = self.state.tokens[index, 1:k + 1].tolist()
         conf = self.state.confidence[index, :k].tolist()
         for s, c, d, p in zip(slots, counts, made, conf, strict=True):
-            s.drafts, s.confidence = d[:c], p[:c]
+            s.set_drafts(d[:c], p[:c])
 
     def _decode(self, gens: list[Generation]) -> list[Step]:
         slots = [self.slots.get(g.slot) for g in gens]
         index = [s.index for s in slots]
         rows = self._rows(len(gens))
-        plans = [self._plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
+        plans = [self.drafting.plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
         k = max(p[0] for p in plans)
         if k:  # modules that fell behind (steps without drafts) catch up first
             for g, s in zip(gens, slots, strict=True):
                 if s.mtp_len < s.length:
                     catch_up(self.model, self.caches, s.index, g.sequence, s.mtp_len, s.length)
                     s.mtp_len = s.length
-        self._set_plans(index, plans, rows)
-        verified = [(len(s.drafts), s.confidence) for s in slots]
-        width = self.width if self.static else max(self.invariance.min_width,
-                                                   max(n for n, _ in verified) + 1)
+        self.drafting.set_plans(index, plans, rows)
+        verified, sources = [pending(s) for s in slots], [s.source for s in slots]
+        most = max(len(p.tokens) for p in verified)
+        width = self.width if self.static else max(self.invariance.min_width, most + 1)
         shape = Shape(width=width, drafts=k,
                       kv_len=self._kv_len(max(s.length for s in slots) + width + k + 1),
                       sampled=any(not g.sampling.greedy for g in gens),
@@ -299,16 +319,17 @@ class Engine:
             out = self._run(index, shape).tolist()
         seconds = time.perf_counter() - t0
         steps = []
-        for g, s, row, (nd, conf), kind in zip(gens, slots, out[:len(gens)], verified, kinds,
-                                               strict=True):
-            tokens, n, s.drafts, s.confidence = unpack(row, shape)
+        for g, s, row, p, source, kind in zip(gens, slots, out[:len(gens)], verified, sources,
+                                              kinds, strict=True):
+            tokens, n, drafts, confidence = unpack(row, shape)
+            s.set_drafts(drafts, confidence)
             g.sequence.extend(tokens)
             s.advance(n + 1, modules=k > 0)
-            steps.append(g.verified(tokens, nd, seconds, unpack_logprobs(row, shape)))
-            if g.use_mtp and g.params.k is None:
-                self.policy.observe(kind, nd, n, None, conf[:nd])
-        if any(p[2] for p in plans):  # adaptive rows ran: the step prices its K
-            self.policy.observe_step(max(n for n, _ in verified), seconds, rows)
+            nd = len(p.tokens)
+            steps.append(g.verified(tokens, nd, seconds, unpack_logprobs(row, shape), source))
+            self.drafting.observe(g, kind, p, source, n)
+        self.drafting.observe_step(gens, sources, most, k, seconds, rows)
+        self.drafting.choose(gens, slots, rows)
         return steps
 
     def _rows(self, live: int) -> int:
@@ -344,34 +365,10 @@ class Engine:
         with torch.inference_mode():
             return decode_step(self.model, self.caches, self.state, slots, shape, self.fns)
 
-    def _plan(self, g: Generation, slot: Slot, rows: int) -> tuple[int, int, bool]:
-        """Drafts for the next step (at most, within what is left to generate and the context's
-        room), the floor the chain rule cannot cut, and whether it applies (adaptive K)."""
-        if not g.use_mtp:
-            return 0, 0, False
-        fixed, policy = g.params.k, self.policy
-        if fixed is None:  # draft at all? then up to k_max, the chain deciding where to stop
-            chosen = policy.choose(g.kind, rows)
-            k = self.k_max if chosen else 0
-        else:
-            k = fixed
-        k = max(0, min(k, self.k_max, g.tokens_left() - 1, slot.room() - 2))
-        if fixed is not None or not k:
-            return k, k, False
-        return k, chosen if policy.probing else 1, True
-
-    def _confident(self, plans: list[tuple[int, int, bool]]) -> bool:
+    def _confident(self, plans: list[Plan]) -> bool:
         """Drafts carry their probability for adaptive rows, and always in a fixed shape (one
         compiled variant whatever the warm-up happened to draft, for a softmax a draft)."""
         return self.static or any(adaptive for _, _, adaptive in plans)
-
-    def _set_plans(self, index: list[int], plans: list[tuple[int, int, bool]], rows: int) -> None:
-        self.state.set_rows(index, plan=[[k, floor, int(adaptive)] for k, floor, adaptive in plans])
-        if any(adaptive for _, _, adaptive in plans):
-            accept, unit = self.policy.chain_plan(rows)
-            rate = self.policy.rate * self.policy.scale  # tokens/s of the unscaled cost curve
-            self.state.chain_accept.copy_(torch.tensor(accept), non_blocking=True)
-            self.state.chain_limit.copy_(torch.tensor([rate * u for u in unit]), non_blocking=True)
 
     def _sampling(self, index: list[int], gens: list[Generation]) -> RowSampling:
         rows = torch.tensor(index, device=self.device)
@@ -390,6 +387,7 @@ class Engine:
         """Measure on this device which step shapes keep rows bit-identical, then the step
         cost of every K for the K policy (or read both from the calibration store)."""
         calibrate(self)
+        self.drafting.totals.clear()  # what serving drafts, not what measuring did
 
     def reshape_step(self, *, compiled: bool, static: bool) -> None:
         """Run the step otherwise after a fallback at load (graphs only in a fixed shape)."""

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.decode import quality
+from engine.decode.context import ContextIndex
 from engine.decode.indent import IndentFloor
 from engine.decode.policy import TextKind, classify
 from engine.decode.sampling import Sampling
+from engine.decode.sources import DRAFTS
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -29,9 +31,12 @@ class GenParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()  # in addition to the model's end tokens
+    ignore_eos: bool = False  # the model's end tokens do not end it (timing steps)
     seed: int | None = None
     k: int | None = None  # None: adaptive; an int: that many drafts every step
-    speculative: bool = True  # False: plain autoregressive decoding, MTP modules unused
+    speculative: bool = True  # False: plain autoregressive decoding, no drafts at all
+    drafts: str | None = None  # where drafts come from: "mtp", "context", "both"; None: the
+    #                            engine's default
     forced: str = ""  # the output must start with this text, which is not returned (healing)
     stop_loops: bool = True  # end the output where it falls into a loop (see quality.py)
     indent_floor: int = 0  # end the output where a line is indented less (see indent.py)
@@ -43,6 +48,8 @@ class GenParams:
             raise ValueError(f"indent_floor must be >= 0, got {self.indent_floor}")
         if self.k is not None and self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
+        if self.drafts not in (None, *DRAFTS):
+            raise ValueError(f"drafts must be one of {', '.join(DRAFTS)}, got {self.drafts!r}")
 
 
 @dataclass(slots=True)
@@ -63,6 +70,8 @@ class Stats:
     k_hist: Counter[int] = field(default_factory=Counter)
     accepted_by_pos: list[int] = field(default_factory=list)  # drafts accepted at position i
     verified_by_pos: list[int] = field(default_factory=list)  # drafts reached at position i
+    # Per source of drafts ("mtp", "context", "given"): [steps, drafts verified, accepted].
+    by_source: dict[str, list[int]] = field(default_factory=dict)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     resumed: int = 0  # times the cache was rebuilt after another generation ran
@@ -70,7 +79,10 @@ class Stats:
     mean_logprob: float | None = None  # of the output's tokens, under the target
     min_logprob: float | None = None
 
-    def record(self, k: int, accepted: int, seconds: float) -> None:
+    def record(self, k: int, accepted: int, seconds: float, source: str = "mtp") -> None:
+        if k:
+            counts = self.by_source.setdefault(source, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + k, counts[2] + accepted
         self.steps += 1
         self.drafted += k
         self.accepted += accepted
@@ -87,7 +99,9 @@ class Stats:
 class Host(Protocol):
     """What a generation needs of the engine that runs it (an `Engine`)."""
 
-    k_max: int
+    k_max: int  # the most drafts a step verifies
+    mtp: bool  # whether the model has MTP modules to draft with
+    draft_sources: str  # where drafts come from unless a generation says otherwise
     tokenizer: Tokenizer
     stop_ids: frozenset[int]
 
@@ -106,7 +120,11 @@ class Generation(Iterator[Step]):
                              f"got {stable}")
         seed = params.seed if params.seed is not None else secrets.randbits(31)
         self.sampling = Sampling(params.temperature, params.top_p, seed)
-        self.use_mtp = params.speculative and engine.k_max > 0
+        drafting, sources = params.speculative and engine.k_max > 0, \
+            params.drafts or engine.draft_sources
+        self.use_mtp = drafting and engine.mtp and sources != "context"
+        # Drafts from the row's own tokens (decode/context.py), indexed as they arrive.
+        self.context = ContextIndex() if drafting and sources != "mtp" else None
         self.sequence = list(prompt)  # then every committed token; the last is next to run
         self.tokens: list[int] = []  # the output, up to a stop
         self.text = ""
@@ -117,7 +135,8 @@ class Generation(Iterator[Step]):
         self.kind = TextKind.CODE  # of the text being written: acceptance differs by kind
         self._engine = engine
         self._decoder = StreamDecoder(engine.tokenizer)
-        self._stop_ids = engine.stop_ids | params.stop_ids
+        self._stop_ids = (frozenset() if params.ignore_eos else engine.stop_ids) | \
+            params.stop_ids
         self._tail = engine.tokenizer.decode(prompt[-64:])  # recent text, for the kind of text
         self._held = ""  # text that may begin a stop string, not yet returned
         self._unforced = params.forced  # forced text not yet removed from the output
@@ -154,12 +173,12 @@ class Generation(Iterator[Step]):
         return self._commit(self.sequence[-1:], first, k=0, accepted=0)
 
     def verified(self, new: list[int], k: int, seconds: float,
-                 logprobs: list[float] | None = None) -> Step:
-        """A verify of k drafts appended `new` to the sequence (the accepted drafts, then one
-        of the target's own), with their log-probabilities; `seconds`: the step's cost
-        (drafts, verify, commit)."""
+                 logprobs: list[float] | None = None, source: str = "mtp") -> Step:
+        """A verify of k drafts (made by `source`) appended `new` to the sequence (the
+        accepted drafts, then one of the target's own), with their log-probabilities;
+        `seconds`: the step's cost (drafts, verify, commit)."""
         step = self._commit(new, logprobs or [], k=k, accepted=len(new) - 1)
-        self.stats.record(k, len(new) - 1, seconds)
+        self.stats.record(k, len(new) - 1, seconds, source)
         return step
 
     def resumed(self) -> None:

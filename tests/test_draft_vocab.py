@@ -63,7 +63,7 @@ def test_drafts_stay_in_the_subset_and_output_is_plain_decoding(model_dir: Path)
     assert not set(plain) <= allowed  # the verify emits tokens drafts cannot
     drafted: list[int] = []
     for k in (1, 4, None):
-        gen = engine.generate(prompt, GenParams(30, k=k, stop_loops=False),
+        gen = engine.generate(prompt, GenParams(30, k=k, stop_loops=False, drafts="mtp"),
                               on_step=lambda s: drafted.extend(engine.drafts()))
         assert gen.tokens == plain, f"k={k}"
     assert drafted and set(drafted) <= allowed

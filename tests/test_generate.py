@@ -76,12 +76,14 @@ def test_empty_prompt_is_refused(trained_engine: Engine) -> None:
         trained_engine.generate([])
 
 
-def test_a_model_without_mtp_modules_decodes_autoregressively(tmp_path: Path) -> None:
+def test_a_model_without_mtp_modules_drafts_from_the_context_alone(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, "tiny-llama", num_mtp_modules=0)
     engine = Engine.load(tmp_path, max_seq_len=256)
-    assert engine.k_max == 0
-    gen = engine.generate(PROMPT, GenParams(max_new_tokens=10, k=4))
+    assert not engine.mtp and engine.k_max == 8
+    gen = engine.generate(PROMPT, GenParams(max_new_tokens=10, k=4, drafts="mtp"))
     assert len(gen.tokens) == 10 and set(gen.stats.k_hist) == {0}
+    gen = engine.generate(PROMPT, GenParams(max_new_tokens=10, k=4))
+    assert len(gen.tokens) == 10 and set(gen.stats.by_source) <= {"context"}
 
 
 def test_interleaved_generations_equal_solo_ones(trained_engine: Engine) -> None:

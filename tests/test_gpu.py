@@ -80,3 +80,22 @@ def test_graphs_off_still_decodes_exactly(model_dir: Path) -> None:
         plain = engine.generate(prompt, GenParams(48, speculative=False)).tokens
         for k in (2, 8, None):
             assert engine.generate(prompt, GenParams(48, k=k)).tokens == plain
+
+
+def test_context_drafts_in_replayed_steps_equal_plain_decoding(graphed: Engine) -> None:
+    """Drafts the host writes between replays (the context's) are verified by the captured
+    step as the modules' are: each row's tokens are its plain decoding's, and they are
+    drafted and kept."""
+    prompts = []
+    for p in code_prompts(graphed, 3):  # the code, what the model writes after it, the code
+        first = graphed.generate(p, GenParams(40, speculative=False), slot="seed").tokens
+        prompts.append([*p, *first, *p[-16:]])
+    alone = [graphed.generate(p, GenParams(40, speculative=False), slot="alone").tokens
+             for p in prompts]
+    for drafts in ("context", "both"):
+        gens = [graphed.start(p, GenParams(40, drafts=drafts), slot=("ctx", i))
+                for i, p in enumerate(prompts)]
+        while live := [g for g in gens if g.finish_reason is None]:
+            graphed.step(live)
+        assert [g.tokens for g in gens] == alone, drafts
+        assert sum(g.stats.by_source.get("context", [0, 0, 0])[2] for g in gens) > 0

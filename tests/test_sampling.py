@@ -115,13 +115,15 @@ def tiny_engine(model: Transformer, slots: int) -> Engine:
 
 
 def sample_continuations(engine: Engine, prompt: list[int], length: int, k: int,
-                         temperature: float, top_p: float, n: int) -> torch.Tensor:
+                         temperature: float, top_p: float, n: int,
+                         drafts: str = "both") -> torch.Tensor:
     """Counts of each continuation over n seeded generations, run `slots` at a time."""
     vocab = engine.model.cfg.vocab_size
     counts = torch.zeros(vocab ** length)
     for first in range(0, n, engine.max_slots):
         gens = [engine.start(prompt, GenParams(length, temperature=temperature, top_p=top_p,
-                                               seed=seed, k=k, speculative=k > 0), slot=i)
+                                               seed=seed, k=k, speculative=k > 0,
+                                               drafts=drafts), slot=i)
                 for i, seed in enumerate(range(first, min(first + engine.max_slots, n)))]
         while live := [g for g in gens if g.finish_reason is None]:
             engine.step(live)
@@ -130,14 +132,19 @@ def sample_continuations(engine: Engine, prompt: list[int], length: int, k: int,
     return counts
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
-def test_engine_sampling_matches_exact_distribution(temperature: float, top_p: float) -> None:
+@pytest.mark.parametrize(("temperature", "top_p", "drafts"),
+                         [(1.0, 1.0, "mtp"), (0.7, 0.9, "mtp"), (1.0, 1.0, "context")])
+def test_engine_sampling_matches_exact_distribution(temperature: float, top_p: float,
+                                                    drafts: str) -> None:
+    """The modules' drafts are samples of q; the context's are point masses (q(d) = 1),
+    accepted with probability p(d): either way the output follows the target."""
     torch.manual_seed(3)
     model = Transformer(TINY).eval()
-    prompt, length = [1, 2, 3], 3
+    prompt, length = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 3  # the context has drafts for each step
     exact = exact_continuations(model, prompt, length, temperature, top_p)
     engine = tiny_engine(model, slots=16)
-    spec = sample_continuations(engine, prompt, length, 2, temperature, top_p, n=1500)
+    spec = sample_continuations(engine, prompt, length, 2, temperature, top_p, n=1500,
+                                drafts=drafts)
     ar = sample_continuations(engine, prompt, length, 0, temperature, top_p, n=1500)
     assert gof(spec, exact) > P_MIN
     assert gof(ar, exact) > P_MIN

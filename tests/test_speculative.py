@@ -116,7 +116,7 @@ def test_draft_parity_with_fresh_forward(which: str, request) -> None:
     with torch.inference_mode():
         for prompt in chain_prompts(3, seed=5) + text_prompts(engine)[:2]:
             for k in (1, 3, 8):
-                gen = engine.start(prompt, GenParams(max_new_tokens=30, k=k))
+                gen = engine.start(prompt, GenParams(max_new_tokens=30, k=k, drafts="mtp"))
                 checked = 0
                 for _ in gen:
                     got = engine.drafts(gen.slot)

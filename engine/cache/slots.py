@@ -136,6 +136,12 @@ class Slot:
         self.mtp_len = 0
         self.drafts: list[int] = []  # made after the pending token, waiting for the verify
         self.confidence: list[float] = []  # each draft's probability under its module
+        self.source = "mtp"  # what made the drafts: "mtp", "context" or "given" (a caller)
+        self.match: tuple[int, int] | None = None  # context drafts': (bucket, start)
+
+    def set_drafts(self, drafts: list[int], confidence: list[float], source: str = "mtp",
+                   match: tuple[int, int] | None = None) -> None:
+        self.drafts, self.confidence, self.source, self.match = drafts, confidence, source, match
 
     def room(self) -> int:
         """Positions left in the context after the cached ones: a step commits at most
@@ -152,7 +158,7 @@ class Slot:
     def reset(self) -> None:
         self.seq, self.length, self.mtp_len = [], 0, 0
         self.saved = [0] * len(self.saved)
-        self.drafts, self.confidence = [], []
+        self.set_drafts([], [])
 
     def cut_to(self, tokens: list[int]) -> tuple[int, int | None]:
         """Keep only what `tokens` shares with the cached sequence: the position to run the
@@ -169,7 +175,7 @@ class Slot:
         start, entry = self._resume(common) if self.recurrent else (keep, None)
         self.mtp_len = min(self.mtp_len, keep, start)
         self.length = min(self.length, start)
-        self.drafts, self.confidence = [], []
+        self.set_drafts([], [])
         return start, entry
 
     def _resume(self, common: int) -> tuple[int, int | None]:

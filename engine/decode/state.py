@@ -36,6 +36,9 @@ class DecodeState:
         self.seed = zeros(s)
         self.confidence = zeros(s, k, dtype=torch.float32)  # each draft's probability
         self.draft_probs = zeros(s, k, vocab_size, dtype=torch.float32)  # q, for sampled rows
+        # Whether a row's drafts were written by the host (the context's): each is then a
+        # point mass, q(d) = 1, and `draft_probs` is not read.
+        self.given = zeros(s, dtype=torch.bool)
         # The draft chain's rule (see policy/chain.py): per draft position and bin of the
         # draft's probability, its chance of acceptance; per number of drafts, the survival
         # below which the chain stops.

@@ -73,6 +73,7 @@ def decode_step(model: Transformer, caches: Caches, state: DecodeState, slots: T
                     early_exit=shape.early_exit, draft=fns.draft, span=shape.span)
     else:  # a scalar by value: `[slots] = 0` would copy a host tensor, which no graph captures
         state.num_drafts.index_fill_(0, slots, 0)
+    state.given.index_fill_(0, slots, False)  # the drafts now waiting are the modules'
     made = state.tokens[slots, 1:k + 1]
     return torch.cat([out.double(), n[:, None].double(), state.num_drafts[slots, None].double(),
                       made.double(), state.confidence[slots, :k].double(), logp.double()], dim=1)
@@ -92,7 +93,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     rope = caches.rope(pos)
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
-    q = state.draft_probs[slots, :width - 1] if shape.sampled else None
+    q = _draft_probs(state, slots, tokens, width) if shape.sampled else None
     logits = model.head(h).float()  # [B, W, V]: once for the argmax, log-probs and p
     out, n = accept(tokens[:, 1:], logits, state.num_drafts[slots], q,
                     row_sampling(state, slots, shape), pos + 1)
@@ -111,6 +112,14 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     outs = [model.mtp_forward(m, h, nxt, rope, batch, kv)
             for m, kv in enumerate(caches.modules)]  # every module's cache catches up
     return out, n, outs[0].gather(1, n[:, None, None].expand(-1, 1, h.shape[-1])), logp
+
+
+def _draft_probs(state: DecodeState, slots: Tensor, tokens: Tensor, width: int) -> Tensor:
+    """q of each row's drafts [B, W-1, V]: the modules' distributions, or point masses at
+    the drafts the host gave."""
+    q = state.draft_probs[slots, :width - 1]
+    point = torch.zeros_like(q).scatter_(-1, tokens[:, 1:, None], 1.0)
+    return torch.where(state.given[slots][:, None, None], point, q)
 
 
 def row_sampling(state: DecodeState, slots: Tensor, shape: Shape) -> RowSampling:

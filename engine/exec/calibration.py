@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from engine import native
-from engine.decode.costs import Stepper, measure_costs, row_buckets
+from engine.decode.costs import Curves, Stepper, measure_costs, row_buckets
 from engine.decode.policy import KPolicy
 from engine.exec.invariance import Invariance, probe, promised
 from engine.generation import GenParams
@@ -34,7 +34,7 @@ from engine.paths import checkpoint_identity, write_replacing
 
 log = logging.getLogger("ahead.engine")
 
-VERSION = 1  # of what is measured and how: a change makes every entry stale
+VERSION = 2  # of what is measured and how: a change makes every entry stale
 
 
 def device_identity(device: torch.device) -> str:
@@ -67,17 +67,19 @@ class CalibrationStore:
                    device=device_identity(weight.device), dtype=weight.dtype,
                    threads=torch.get_num_threads(), kernels=native.status(), **settings)
 
-    def read(self) -> tuple[Invariance, dict[int, list[float]]] | None:
+    def read(self) -> tuple[Invariance, tuple[Curves, Curves]] | None:
         try:
             entry = json.loads(self.path.read_text())
-            costs = {int(r): [float(c) for c in curve] for r, curve in entry["costs"].items()}
-            return Invariance(**entry["invariance"]), costs
-        except (OSError, ValueError, KeyError, TypeError):
+            costs, verify = ({int(r): [float(c) for c in curve] for r, curve in entry[key].items()}
+                             for key in ("costs", "verify"))
+            return Invariance(**entry["invariance"]), (costs, verify)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None  # absent or unreadable: measured again, and written anew
 
-    def write(self, invariance: Invariance, costs: dict[int, list[float]]) -> None:
+    def write(self, invariance: Invariance, costs: tuple[Curves, Curves]) -> None:
         text = json.dumps({"invariance": asdict(invariance),
-                           "costs": {str(r): c for r, c in costs.items()}})
+                           "costs": {str(r): c for r, c in costs[0].items()},
+                           "verify": {str(r): c for r, c in costs[1].items()}})
         write_replacing(self.path, lambda tmp: tmp.write_text(text))
 
 
@@ -117,7 +119,7 @@ def calibrate(engine: Calibrating) -> None:
         _without_exactness(engine, found.reason or "")
     t1 = time.perf_counter()
     costs = stored[1] if stored else _measure(engine)
-    engine.policy.set_costs(costs)
+    engine.policy.set_costs(*costs)
     if engine.calibration and eager and not stored:
         engine.calibration.write(found, costs)
     t2 = time.perf_counter()
@@ -138,7 +140,7 @@ def _without_exactness(engine: Calibrating, reason: str) -> None:
     engine.reshape_step(compiled=engine.compiled, static=_keeps_shape(engine))
 
 
-def _measure(engine: Calibrating) -> dict[int, list[float]]:
+def _measure(engine: Calibrating) -> tuple[Curves, Curves]:
     """The step cost curves; a compiled or captured step that fails here falls back to eager
     steps."""
     vocab, rows = engine.model.cfg.vocab_size, row_buckets(engine.max_slots)

@@ -132,12 +132,18 @@ def _valid_entry(info: object) -> bool:
 
 
 def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, heads: bool = True) -> Transformer:
+               dtype: torch.dtype = torch.float32, heads: bool = True,
+               mtp: bool = True) -> Transformer:
     """Build the model from config.json + safetensors, straight onto `device` in `dtype`.
 
     A heads file beside a checkpoint without MTP modules adds its modules (unless `heads`
-    is False)."""
+    is False). `mtp` False: the trunk alone, the modules' tensors checked and not read."""
     model, expected, files = check_checkpoint(model_dir, heads=heads)
+    if not mtp and model.num_mtp:
+        with torch.device("meta"):
+            model = Transformer(model.cfg.with_(num_mtp_modules=0))
+        own = set(model.state_dict())
+        expected = {k: v for k, v in expected.items() if v[0] in own}
     state = _read_tensors(expected, files, torch.device(device), dtype)
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()

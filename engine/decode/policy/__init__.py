@@ -22,6 +22,7 @@ from engine.decode.policy.chain import DraftChain, Plan, chain_plan
 from engine.decode.policy.choice import Probes, best_k
 from engine.decode.policy.costs import StepCosts, monotone
 from engine.decode.policy.kinds import TextKind, classify
+from engine.decode.policy.sources import ContextPolicy
 
 __all__ = ["DraftChain", "KPolicy", "TextKind", "classify", "monotone"]
 
@@ -32,6 +33,9 @@ class KPolicy:
                  cost_decay: float = 0.05, shape_decay: float = 0.02) -> None:
         self.k_max = k_max
         self.costs = StepCosts(k_max, costs, decay=cost_decay, shape_decay=shape_decay)
+        # Steps that verify K drafts the modules did not make in them (the context's).
+        self.verify = StepCosts(k_max, costs, decay=cost_decay, shape_decay=shape_decay)
+        self.context = ContextPolicy(k_max)
         self.acceptance = Acceptance(k_max, decay=decay, prior=prior, prior_weight=prior_weight)
         self.calibration = Calibration(k_max, prior=prior, prior_weight=prior_weight)
         self.probes = Probes(probe_every)
@@ -86,16 +90,25 @@ class KPolicy:
         """A step of `rows` rows and up to k drafts took `seconds`."""
         self.costs.observe(k, seconds, rows)
 
-    def set_costs(self, costs: list[float] | Mapping[int, list[float]]) -> None:
+    def observe_verify(self, k: int, seconds: float, rows: int) -> None:
+        """A step of `rows` rows verified up to k drafts and made none: it took `seconds`."""
+        self.verify.observe(k, seconds, rows)
+
+    def set_costs(self, costs: list[float] | Mapping[int, list[float]],
+                  verify: list[float] | Mapping[int, list[float]] | None = None) -> None:
         """Measured seconds per step for each K (per number of rows): the curves to start
-        from."""
+        from; `verify`: those of steps that make no drafts (else the same)."""
         self.costs.set(costs)
+        self.verify.set(costs if verify is None else verify)
         self._plans.clear()
 
     # Reading it
 
     def cost(self, k: int, rows: int = 1) -> float:
         return self.costs.cost(k, rows)
+
+    def verify_cost(self, k: int, rows: int = 1) -> float:
+        return self.verify.cost(k, rows)
 
     @property
     def scale(self) -> float:
@@ -119,7 +132,11 @@ class KPolicy:
                                            for kind in TextKind},
                 "step_cost_ms": {str(rows): [round(self.cost(k, rows) * 1000, 3)
                                         for k in range(self.k_max + 1)]
-                                 for rows in self.costs.curves}}
+                                 for rows in self.costs.curves},
+                "verify_cost_ms": {str(rows): [round(self.verify_cost(k, rows) * 1000, 3)
+                                          for k in range(self.k_max + 1)]
+                                   for rows in self.verify.curves},
+                "context_acceptance_by_match": self.context.report()}
 
     # Across restarts
 

@@ -1,0 +1,126 @@
+"""A batch's drafts: before a step, each row's plan for the modules' chain (how many drafts,
+the floor the chain rule cannot cut, whether it applies); after it, each row's drafts for
+the next step from the source expected to yield most (decode/sources.py), written to the
+slots' buffers with the next step's inputs; and what the step tells the K policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.cache.slots import Slot
+from engine.decode.policy import KPolicy, TextKind
+from engine.decode.sources import Match, Proposal, modules_pay, propose
+from engine.decode.state import DecodeState
+from engine.generation import Generation
+
+Plan = tuple[int, int, bool]  # drafts at most, the chain's floor, whether the rule applies
+
+
+class Drafting:
+    def __init__(self, policy: KPolicy, state: DecodeState, k_max: int) -> None:
+        self.policy, self.state, self.k_max = policy, state, k_max
+        # Since load, per source: steps that verified its drafts, drafts, drafts kept.
+        self.totals: dict[str, list[int]] = {}
+
+    def limit(self, g: Generation, slot: Slot) -> int:
+        """The most drafts the row's next step may verify: within what is left to generate
+        and the context's room."""
+        return max(0, min(self.k_max, g.tokens_left() - 1, slot.room() - 2))
+
+    def plan(self, g: Generation, slot: Slot, rows: int) -> Plan:
+        """The modules' plan for the row's next step: drafts at most, the floor the chain rule
+        cannot cut, and whether it applies (adaptive K)."""
+        if not g.use_mtp:
+            return 0, 0, False
+        fixed, policy = g.params.k, self.policy
+        if fixed is None:  # draft at all? then up to k_max, the chain deciding where to stop
+            if g.context is not None and not modules_pay(policy, g.kind, g.sequence,
+                                                         pending(slot), self.k_max, rows):
+                return 0, 0, False
+            chosen = policy.choose(g.kind, rows)
+            k = self.k_max if chosen else 0
+        else:
+            k = fixed
+        k = min(k, self.limit(g, slot))
+        if fixed is not None or not k:
+            return k, k, False
+        return k, chosen if policy.probing else 1, True
+
+    def set_plans(self, index: list[int], plans: list[Plan], rows: int) -> None:
+        self.state.set_rows(index, plan=[[k, floor, int(adaptive)] for k, floor, adaptive in plans])
+        if any(adaptive for _, _, adaptive in plans):
+            accept, unit = self.policy.chain_plan(rows)
+            rate = self.policy.rate * self.policy.scale  # tokens/s of the unscaled cost curve
+            self.state.chain_accept.copy_(torch.tensor(accept), non_blocking=True)
+            self.state.chain_limit.copy_(torch.tensor([rate * u for u in unit]), non_blocking=True)
+
+    def choose(self, gens: Sequence[Generation], slots: Sequence[Slot], rows: int) -> None:
+        """After a step (or a prefill) left the modules' drafts in the slots: each row takes
+        the context's instead where they are expected to yield more; those are written to
+        the slots' buffers for the next step."""
+        index, tokens, counts = [], [], []
+        for g, s in zip(gens, slots, strict=True):
+            if g.context is None or g.finish_reason is not None:
+                continue
+            mtp = Proposal(s.drafts, s.confidence)
+            p = propose(self.policy, g.kind, g.sequence, g.context, mtp, self.limit(g, s),
+                        g.params.k, rows)
+            if p.match is None:
+                continue
+            s.set_drafts(p.tokens, [], "context", (p.match.bucket, p.match.start))
+            index.append(s.index)
+            tokens.append([g.sequence[-1], *p.tokens] + [0] * (self.k_max - len(p.tokens)))
+            counts.append(len(p.tokens))
+        if index:
+            self.state.set_rows(index, tokens=tokens, num_drafts=counts,
+                                given=[True] * len(index))
+
+    def give(self, g: Generation, slot: Slot, drafts: list[int]) -> None:
+        """The caller's drafts for the row's next step, in place of any made."""
+        drafts = drafts[:self.limit(g, slot)]
+        slot.set_drafts(drafts, [], "given")
+        self.state.set_rows([slot.index], num_drafts=[len(drafts)], given=[True],
+                            tokens=[[g.sequence[-1], *drafts] + [0] * (self.k_max - len(drafts))])
+
+    def observe(self, g: Generation, kind: TextKind, verified: Proposal, source: str,
+                accepted: int) -> None:
+        """What the row's step did with the drafts it verified, made in `kind` of text, for
+        the K policy (adaptive rows only: a fixed K says nothing about what to choose)."""
+        k = len(verified.tokens)
+        if k:
+            counts = self.totals.setdefault(source, [0, 0, 0])
+            counts[:] = [counts[0] + 1, counts[1] + k, counts[2] + accepted]
+        if g.params.k is not None:
+            return
+        if source == "mtp" and g.use_mtp:
+            self.policy.observe(kind, k, accepted, None, verified.confidence)
+        elif source == "context" and verified.match is not None:
+            self.policy.context.observe(kind, verified.match.bucket, k, accepted)
+
+    def observe_step(self, gens: Sequence[Generation], sources: list[str], verified: int,
+                     drafts: int, seconds: float, rows: int) -> None:
+        """A step of `rows` rows verified up to `verified` drafts and made up to `drafts`:
+        its cost informs the curve it belongs to (a step verifying the context's drafts
+        while making the modules' belongs to neither)."""
+        if all(g.params.k is not None for g in gens):
+            return
+        if not drafts:
+            self.policy.observe_verify(verified, seconds, rows)
+        elif all(s == "mtp" for s in sources):
+            self.policy.observe_step(verified, seconds, rows)
+
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Per source of drafts since load: steps, drafts, drafts kept and their share."""
+        return {src: {"steps": n, "drafted": d, "accepted": a,
+                      "acceptance": round(a / d, 3) if d else 0.0}
+                for src, (n, d, a) in sorted(self.totals.items())}
+
+
+def pending(slot: Slot) -> Proposal:
+    """The drafts waiting in the slot, as a proposal."""
+    return Proposal(slot.drafts, slot.confidence,
+                    None if slot.match is None else Match(*slot.match))
