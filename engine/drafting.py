@@ -12,7 +12,7 @@ import torch
 
 from engine.cache.slots import Slot
 from engine.decode.policy import KPolicy, TextKind
-from engine.decode.sources import Match, Proposal, modules_pay, propose
+from engine.decode.sources import Proposal, modules_pay, propose
 from engine.decode.state import DecodeState
 from engine.generation import Generation
 
@@ -37,10 +37,11 @@ class Drafting:
             return 0, 0, False
         fixed, policy = g.params.k, self.policy
         if fixed is None:  # draft at all? then up to k_max, the chain deciding where to stop
-            if g.context is not None and not modules_pay(policy, g.kind, g.sequence,
-                                                         pending(slot), self.k_max, rows):
-                return 0, 0, False
             chosen = policy.choose(g.kind, rows)
+            if chosen and not policy.probing and g.context is not None and not modules_pay(
+                    policy, g.kind, g.sequence, g.context, pending(slot), chosen, self.k_max,
+                    rows):
+                return 0, 0, False  # the context's drafts will do
             k = self.k_max if chosen else 0
         else:
             k = fixed
@@ -68,9 +69,11 @@ class Drafting:
             mtp = Proposal(s.drafts, s.confidence)
             p = propose(self.policy, g.kind, g.sequence, g.context, mtp, self.limit(g, s),
                         g.params.k, rows)
-            if p.match is None:
+            if p.bucket is None:
                 continue
-            s.set_drafts(p.tokens, [], "context", (p.match.bucket, p.match.start))
+            if mtp.tokens:  # the modules drafted beside the context, for nothing
+                self.policy.context.modules_kept(0)
+            s.set_drafts(p.tokens, [], "context", p.bucket)
             index.append(s.index)
             tokens.append([g.sequence[-1], *p.tokens] + [0] * (self.k_max - len(p.tokens)))
             counts.append(len(p.tokens))
@@ -97,8 +100,10 @@ class Drafting:
             return
         if source == "mtp" and g.use_mtp:
             self.policy.observe(kind, k, accepted, None, verified.confidence)
-        elif source == "context" and verified.match is not None:
-            self.policy.context.observe(kind, verified.match.bucket, k, accepted)
+            if g.context is not None:
+                self.policy.context.modules_kept(accepted)
+        elif source == "context" and verified.bucket is not None:
+            self.policy.context.observe(kind, verified.bucket, k, accepted)
 
     def observe_step(self, gens: Sequence[Generation], sources: list[str], verified: int,
                      drafts: int, seconds: float, rows: int) -> None:
@@ -122,5 +127,4 @@ class Drafting:
 
 def pending(slot: Slot) -> Proposal:
     """The drafts waiting in the slot, as a proposal."""
-    return Proposal(slot.drafts, slot.confidence,
-                    None if slot.match is None else Match(*slot.match))
+    return Proposal(slot.drafts, slot.confidence, slot.bucket)

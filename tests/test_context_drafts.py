@@ -45,6 +45,10 @@ def test_the_index_continues_the_latest_longest_match() -> None:
     assert ContextIndex().draft(seq, 0) is None
     latest = ContextIndex().draft([5, 1, 5, 2, 5], 2)
     assert latest is not None and latest.tokens == [2, 5]  # the latest occurrence of "5"
+    index = ContextIndex()  # drafts not yet kept are matched, never indexed
+    ahead = index.draft([1, 2, 3, 4, 5, 9], 3, tail=[1, 2])
+    assert ahead is not None and ahead.tokens == [3, 4, 5] and BUCKETS[ahead.bucket] == 2
+    assert index.draft([1, 2, 3, 4, 5, 9], 3) is None
 
 
 def test_the_index_catches_up_as_tokens_arrive() -> None:
@@ -66,7 +70,7 @@ def test_the_source_expected_to_yield_more_drafts() -> None:
     sure = Proposal([6, 6, 6, 6], [0.99] * 4)
     doubtful = Proposal([6, 6, 6, 6], [0.05] * 4)
     got = propose(policy, TextKind.CODE, seq, index, doubtful, 4, None, 1)
-    assert got.match is not None and got.tokens == [1, 2, 3, 4]
+    assert got.bucket is not None and got.tokens == [1, 2, 3, 4]
     for _ in range(40):  # the modules' confident drafts are always kept
         policy.observe(TextKind.CODE, 4, 4, None, [0.99] * 4)
     assert propose(policy, TextKind.CODE, seq, index, sure, 4, None, 1) is sure

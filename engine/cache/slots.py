@@ -137,11 +137,12 @@ class Slot:
         self.drafts: list[int] = []  # made after the pending token, waiting for the verify
         self.confidence: list[float] = []  # each draft's probability under its module
         self.source = "mtp"  # what made the drafts: "mtp", "context" or "given" (a caller)
-        self.match: tuple[int, int] | None = None  # context drafts': (bucket, start)
+        self.bucket: int | None = None  # context drafts': of their match's length
 
     def set_drafts(self, drafts: list[int], confidence: list[float], source: str = "mtp",
-                   match: tuple[int, int] | None = None) -> None:
-        self.drafts, self.confidence, self.source, self.match = drafts, confidence, source, match
+                   bucket: int | None = None) -> None:
+        self.drafts, self.confidence, self.source, self.bucket = drafts, confidence, source, \
+            bucket
 
     def room(self) -> int:
         """Positions left in the context after the cached ones: a step commits at most

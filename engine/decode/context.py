@@ -13,6 +13,7 @@ acceptance per bucket.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_N = 4  # longest n-gram indexed
@@ -45,20 +46,22 @@ class ContextIndex:
                 self._after[n - 1][tuple(seq[i - n:i])] = i
         self._indexed = max(self._indexed, len(seq))
 
-    def draft(self, seq: list[int], limit: int) -> ContextDraft | None:
-        """Up to `limit` tokens that followed the longest earlier match of the end of `seq`
-        (None: no n-gram of its end occurred before, or limit < 1)."""
+    def draft(self, seq: list[int], limit: int,
+              tail: Sequence[int] = ()) -> ContextDraft | None:
+        """Up to `limit` tokens of `seq` that followed the longest earlier match of the end of
+        `seq` + `tail` (None: no n-gram of it occurred before, or limit < 1). `tail`: tokens
+        not committed yet (drafts), matched but never indexed."""
         if limit < 1 or not seq:
             return None
         self.catch_up(seq)
-        end = len(seq)
-        for n in range(min(MAX_N, end), 0, -1):
-            at = self._after[n - 1].get(tuple(seq[end - n:]))
-            if at is None or at >= end:
+        recent = [*seq[-(MAX_N + LOOK_BACK):], *tail]
+        for n in range(min(MAX_N, len(recent)), 0, -1):
+            at = self._after[n - 1].get(tuple(recent[-n:]))
+            if at is None:
                 continue
             length = n
-            while (length < LOOK_BACK and at - length - 1 >= 0
-                   and seq[at - length - 1] == seq[end - length - 1]):
+            while (length < min(LOOK_BACK, len(recent) - 1) and at - length - 1 >= 0
+                   and seq[at - length - 1] == recent[-length - 1]):
                 length += 1
-            return ContextDraft(seq[at:min(at + limit, end)], bucket_of(length), at)
+            return ContextDraft(seq[at:at + limit], bucket_of(length), at)
         return None

@@ -9,9 +9,10 @@ identical to plain decoding: a draft only decides how many of the target's own t
 step commits, and for a sampled row a context draft is a draw from a point mass, which
 speculative sampling accepts with probability p(d).
 
-Before a step, a row whose drafts came from the context may leave the modules out of it:
-when the match is likely to go on and the modules' drafts would not add enough tokens to pay
-for the time they take (`modules_pay`).
+Before a step, a row may leave the modules out of it (`modules_pay`): where the drafts of
+theirs that such steps have kept lately (measured, not modelled: the modules run where the
+context has nothing, which is where their drafts are hardest), beyond what the context
+promises for the step after, would not pay for the time they take.
 """
 
 from __future__ import annotations
@@ -26,19 +27,10 @@ DRAFTS = ("mtp", "context", "both")  # which sources a generation drafts from
 
 
 @dataclass(frozen=True, slots=True)
-class Match:
-    """Where context drafts came from: the bucket of the match's length, and the position
-    in the sequence of the token the first draft repeats."""
-
-    bucket: int
-    start: int
-
-
-@dataclass(frozen=True, slots=True)
 class Proposal:
     tokens: list[int]
     confidence: list[float]  # the module's probability per draft; empty for context drafts
-    match: Match | None = None  # None: the modules' drafts
+    bucket: int | None = None  # context drafts': of their match's length; None: the modules'
 
 
 def mtp_expected(policy: KPolicy, confidence: list[float]) -> float:
@@ -63,36 +55,41 @@ def propose(policy: KPolicy, kind: TextKind, seq: list[int], index: ContextIndex
     else:
         k = policy.context.length(kind, found.bucket, available,
                                   lambda n: policy.verify_cost(n, rows))
+    value = policy.context.value(kind, found.bucket, k)
     if not k:
         return mtp
-    context = Proposal(found.tokens[:k], [], Match(found.bucket, found.start))
+    context = Proposal(found.tokens[:k], [], found.bucket)
     if not mtp.tokens:
         return context
-    own = (1 + policy.context.value(kind, found.bucket, k)) / policy.verify_cost(k, rows)
+    own = (1 + value) / policy.verify_cost(k, rows)
     theirs = (1 + mtp_expected(policy, mtp.confidence)) / policy.verify_cost(len(mtp.tokens),
                                                                                rows)
     return context if own > theirs else mtp
 
 
-def modules_pay(policy: KPolicy, kind: TextKind, seq: list[int], pending: Proposal,
-                k_max: int, rows: int) -> bool:
-    """Before a step verifying `pending`: whether the modules should draft in it. They
-    should unless `pending` came from the context and the drafts the modules would add to
-    what the match promises for the step after (if all of `pending` is kept and it goes on)
-    are worth less than the time they take, at the run's rate."""
-    match = pending.match
-    if match is None:
-        return True
-    nd = len(pending.tokens)
-    table = policy.context.tables[match.bucket].rates(kind)
+def modules_pay(policy: KPolicy, kind: TextKind, seq: list[int], index: ContextIndex,
+                pending: Proposal, k: int, k_max: int, rows: int) -> bool:
+    """Before a step verifying `pending`, for which the policy chose to draft up to `k`:
+    whether the modules should draft in it beside the context. They should unless the
+    drafts of theirs kept lately in such steps, beyond what the context offers for the step
+    after, are worth less than the time they take at the run's rate. The context offers
+    its continuation past `pending` (and past the target's own token after it), should all
+    of `pending` be kept."""
+    if pending.bucket is not None:
+        rates = policy.context.tables[pending.bucket].rates(kind)
+    else:
+        rates = [policy.accept_given(c, i) for i, c in enumerate(pending.confidence)]
     kept_all = 1.0
-    for a in table[:nd]:
+    for a in rates[:len(pending.tokens)]:
         kept_all *= a
-    after = match.start + nd + 1  # the match's next token, once the target's own is kept
-    ahead = max(0, min(k_max, len(seq) - after))
-    from_context = kept_all * policy.context.value(kind, match.bucket, ahead)
-    k = policy.best(kind, rows)
-    if not k:
-        return False
-    gain = policy.expected_tokens(kind, k) - 1 - from_context
+    found = index.draft(seq, k_max + 1, pending.tokens)
+    past = 0.0
+    if found is not None and len(found.tokens) > 1:
+        # the first token found must be the target's own (as a draft's acceptance); the
+        # rest are the drafts: a0 * (a1 + a1 a2 + ...)
+        first = policy.context.tables[found.bucket].rates(kind)[0]
+        past = policy.context.value(kind, found.bucket, len(found.tokens)) - first
+    measured = policy.context.modules_yield
+    kept = policy.expected_tokens(kind, k) - 1 if measured is None else measured
+    gain = kept - kept_all * past
     return gain > policy.rate * (policy.cost(k, rows) - policy.verify_cost(k, rows))

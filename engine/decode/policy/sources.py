@@ -32,10 +32,15 @@ def expected(rates: Sequence[float]) -> float:
 
 
 class ContextPolicy:
-    def __init__(self, k_max: int, *, prior: float = 0.5, probe_every: int = 16) -> None:
-        self.k_max = k_max
+    def __init__(self, k_max: int, *, prior: float = 0.5, probe_every: int = 16,
+                 decay: float = 0.1) -> None:
+        self.k_max, self.decay = k_max, decay
         self.tables = [Acceptance(k_max, prior=prior) for _ in BUCKETS]
         self.probes = [Probes(probe_every) for _ in BUCKETS]
+        # Drafts kept per step in which the modules drafted beside the context (0 where
+        # the context's drafts were taken instead), over recent steps: what running them
+        # has been worth lately where the context drafts too (None: not measured yet).
+        self.modules_yield: float | None = None
 
     def length(self, kind: TextKind, bucket: int, available: int, cost: Cost) -> int:
         """How many of `available` context drafts to verify: the best K by expected tokens
@@ -43,6 +48,12 @@ class ContextPolicy:
         rates = self.tables[bucket].rates(kind)[:available]
         best, _ = best_k(rates, cost)
         return min(self.probes[bucket].choose(best, available), available)
+
+    def modules_kept(self, accepted: int) -> None:
+        """The modules drafted beside the context, and `accepted` of their drafts were kept
+        (0: the context's were taken)."""
+        y = self.modules_yield
+        self.modules_yield = accepted if y is None else y + self.decay * (accepted - y)
 
     def value(self, kind: TextKind, bucket: int, k: int) -> float:
         """Drafts expected to be kept of k from this bucket."""
