@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,14 +23,23 @@ EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from clients.bench.edits import edit_prompts
     from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
+    from clients.common import engine_options
+    from engine import Engine
+    from engine.decode.sources import DRAFTS
 
     if args.preset or args.slots > 1 or args.context or args.synthetic_acceptance:
         return _bench_steps(args)
     files, sources = _bench_files(args)
-    engine = load_engine(args)
-    prompts = cursor_prompts(engine, files, args.num_prompts, args.seed,
-                             max_new_tokens=args.max_new_tokens)
+    drafts = tuple(d.strip() for d in args.drafts.split(","))
+    if not drafts or not set(drafts) <= set(DRAFTS):
+        raise CliError(f"--drafts: a comma-separated list of {', '.join(DRAFTS)}, "
+                       f"got {args.drafts!r}")
+    engine = Engine.load(model_dir(args), **engine_options(args), mtp=not args.without_mtp)
+    make = edit_prompts if args.workload == "edit" else cursor_prompts
+    prompts = make(engine, files, args.num_prompts, args.seed,
+                   max_new_tokens=args.max_new_tokens)
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
 
     def progress(done: int, total: int) -> None:
@@ -47,13 +57,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
             try:
                 peer = stack.enter_context(LlamaServer(
                     Path(args.peer), Path(args.peer_model), threads=torch.get_num_threads(),
-                    context=engine.max_seq_len)).complete
+                    context=engine.max_seq_len, extra=shlex.split(args.peer_args))).complete
             except PeerError as e:
                 raise CliError(str(e)) from None
         result = bench_engine(engine, prompts, max_new_tokens=args.max_new_tokens, ks=ks,
-                              peer=peer, progress=progress)
+                              drafts=drafts, peer=peer, progress=progress)
+    if peer is not None:
+        result["peer"]["args"] = args.peer_args
     result["heldout_loss"] = heldout_loss(engine, files)
-    result["model"] = str(model_dir(args))
+    result["model"] = str(model_dir(args)) + (" (without its MTP modules)" * args.without_mtp)
+    result["workload"] = args.workload
     result["sources"] = sources
     result["device"] = str(engine.device)
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
@@ -69,7 +82,8 @@ def _bench_steps(args: argparse.Namespace) -> int:
     from clients.bench.steps import bench_steps, format_report, preset_engine
     from clients.common import engine_options
 
-    opts = engine_options(args)
+    # the MTP modules' steps (the context's drafts are not what synthetic rates stand for)
+    opts = engine_options(args) | {"drafts": "mtp"}
     if args.peer:  # checked before minutes of our own runs, not after them
         if not args.peer_model:
             raise CliError("--peer needs --peer-model (the same shapes as a GGUF file)")
@@ -83,7 +97,9 @@ def _bench_steps(args: argparse.Namespace) -> int:
             raise CliError(str(e)) from None
         name = args.preset
     else:
-        engine = load_engine(args)
+        from engine import Engine
+
+        engine = Engine.load(model_dir(args), **opts)
         name = str(model_dir(args))
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
     synthetic = None
@@ -375,6 +391,19 @@ def build_parser() -> argparse.ArgumentParser:
                      "on as many threads (needs --peer-model)")
     eng.add_argument("--peer-model", metavar="GGUF",
                      help="the same model for the peer, as GGUF (without its MTP modules)")
+    eng.add_argument("--peer-args", default="", metavar="ARGS",
+                     help="more llama-server flags for the peer, e.g. '--spec-type ngram-mod' "
+                     "(its drafts from the context)")
+    eng.add_argument("--drafts", default="mtp,context,both", metavar="SOURCES",
+                     help="adaptive modes to run, by where drafts come from: mtp (the "
+                     "model's MTP modules, with every fixed K), context (the text so far), "
+                     "both (chosen live, as served); comma-separated (default: all three)")
+    eng.add_argument("--workload", choices=["heldout", "edit"], default="heldout",
+                     help="heldout: the cursor on a line of the files; edit: in a renamed "
+                     "copy of one of their functions, after the original (the text to "
+                     "write repeats the context)")
+    eng.add_argument("--without-mtp", action="store_true",
+                     help="load the model's trunk without its MTP modules")
     eng.add_argument("--json", help="write the results to this file")
     eng.set_defaults(func=cmd_bench_engine)
     pipe = bench_sub.add_parser("pipeline", help="a typing burst from several editors "

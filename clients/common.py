@@ -48,7 +48,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
             "k_max": cfg.k_max if args.k_max is None else args.k_max,
             "slots": getattr(args, "slots", None) or cfg.slots,
             "quant": getattr(args, "quant", None) or cfg.quant,
-            "draft_vocab": cfg.draft_vocab,
+            "draft_vocab": cfg.draft_vocab, "drafts": cfg.drafts,
             **{name: switch(getattr(args, name, None) or getattr(cfg, name))
                for name in SWITCHES}}
 

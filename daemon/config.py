@@ -9,6 +9,8 @@
     idle_timeout = 1800              # seconds; 0 = never exit
     max_seq_len = 4096
     k_max = 8
+    drafts = "both"                  # where drafts come from: the model's MTP modules (mtp),
+                                     # the text so far (context), or both, chosen per step
     slots = 4                        # KV-cache slots (documents kept warm)
     threads = 0                      # CPU threads for the model; 0: all cores but one
     graphs = "auto"                  # CUDA graphs for the decode step: auto (on CUDA) | on | off
@@ -81,6 +83,7 @@ class Settings:
     idle_timeout: float = 1800.0
     max_seq_len: int = 4096
     k_max: int = 8
+    drafts: str = "both"
     slots: int = 4
     threads: int = 0
     graphs: str = "auto"
@@ -109,6 +112,8 @@ class Settings:
             raise ConfigFileError(f"dtype must be fp32, bf16 or fp16, not {self.dtype!r}")
         if self.draft_vocab < 0:
             raise ConfigFileError("draft_vocab must not be negative")
+        if self.drafts not in ("mtp", "context", "both"):
+            raise ConfigFileError(f"drafts must be mtp, context or both, not {self.drafts!r}")
         for name in ("max_seq_len", "slots"):
             if getattr(self, name) < 1:
                 raise ConfigFileError(f"{name} must be positive")

@@ -87,3 +87,28 @@ def test_a_peer_model_without_an_mtp_module_says_it_cannot_draft(random_dir: Pat
                                 tmp_path / "bench.json")
     assert peer["plain_no_repack_tokens_per_s"] > 0
     assert "mtp_tokens_per_s" not in peer and peer["mtp_error"]
+
+
+@needs_peer
+def test_the_peer_drafts_from_the_context_beside_ours(trained_dir: Path, tmp_path: Path) -> None:
+    """The trunk alone, ours drafting from the context and llama-server with its n-gram
+    drafts (`--peer-args`), on prompts whose continuation repeats them: both draft, and
+    ours is plain decoding's output."""
+    gguf = to_gguf(trained_dir, tmp_path / "trained.gguf")
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "clients.cli", "bench", "engine", "--model", str(trained_dir),
+         "--without-mtp", "--workload", "edit", "--num-prompts", "3", "--max-new-tokens", "24",
+         "--drafts", "context", "--files", str(Path(__file__).parent / "test_bench_peer.py"),
+         "--peer", str(SERVER), "--peer-model", str(gguf), "--peer-args",
+         "--spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 8",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "(without its MTP modules)" in result["model"] and result["workload"] == "edit"
+    assert "fixed" not in result and "adaptive" not in result and "context" in result
+    assert result["identical_to_ar"] is True
+    peer = result["peer"]
+    assert peer["args"].startswith("--spec-type ngram-simple") and peer["tokens_per_step"] >= 1
+    assert "context drafts" in run.stdout and "ngram-simple" in run.stdout

@@ -40,6 +40,7 @@ def test_file_then_environment(tmp_path: Path) -> None:
     ("k_max = 2.5\n", {}, "k_max must be"),
     ("dtype = 'fp8'\n", {}, "dtype must be"),
     ("slots = 0\n", {}, "slots must be positive"),
+    ("drafts = 'ngram'\n", {}, "drafts must be mtp, context or both"),
     ("threads = -2\n", {}, "threads must not be negative"),
     ("k_max = [\n", {}, "config.toml"),
     ("", {"AHEAD_MAX_SEQ_LEN": "lots"}, "AHEAD_MAX_SEQ_LEN: max_seq_len must be"),

@@ -192,7 +192,7 @@ async def test_a_newer_request_supersedes_the_running_one(daemon: Server) -> Non
 
 async def test_status_reports_counters(daemon: Server) -> None:
     client = client_for(daemon)
-    await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=4))
+    await client.run(p.Generate(id=0, prompt=PROMPT, max_tokens=12, k=2, stop_loops=False))
     await client.run(p.Complete(id=0, session="s", document="d.py", prefix=PROMPT, max_tokens=4))
     info = await client.status()
     assert info["model"] == "tiny" and info["counts"]["requests_completed"] >= 2
@@ -201,6 +201,10 @@ async def test_status_reports_counters(daemon: Server) -> None:
     assert info["exact"] == "off (auto: fp32 on the CPU, where it costs)"
     assert info["load_s"]["weights"] > 0 and "costs" in info["load_s"]
     assert set(info["acceptance_by_position"]) == {"code", "comment", "string"}
+    # which source drafted, and how often it was right
+    assert info["drafts_by_source"] and set(info["drafts_by_source"]) <= {"mtp", "context"}
+    assert all(0 <= c["accepted"] <= c["drafted"] and c["steps"] > 0
+               for c in info["drafts_by_source"].values())
     await client.close()
 
 

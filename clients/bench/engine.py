@@ -1,4 +1,6 @@
-"""`ahead bench engine`: autoregressive vs MTP decoding (each fixed K and adaptive K) side by side.
+"""`ahead bench engine`: autoregressive decoding vs speculative decoding side by side: the MTP
+modules' drafts at each fixed K and at adaptive K, the context's drafts, and both sources
+chosen live (what serving runs).
 
 Every prompt is run in every mode in turn, from a cold cache, so all modes see the same
 machine noise; tokens per second are reported as medians over prompts, and speed-ups as the
@@ -20,8 +22,9 @@ import torch.nn.functional as F
 
 from engine import Engine, Generation, GenParams
 
-# Another engine: greedy tokens after the prompt ids, and its decode rate in tokens/s.
-Peer = Callable[[list[int], int], tuple[list[int], float]]
+# Another engine: greedy tokens after the prompt ids, its decode rate in tokens/s, and the
+# decode steps it took (as many as tokens unless it drafts).
+Peer = Callable[[list[int], int], tuple[list[int], float, int]]
 
 
 @dataclass(slots=True)
@@ -94,25 +97,35 @@ def _run(engine: Engine, prompt: CursorPrompt, params: GenParams) -> Generation:
     return engine.generate(prompt.ids, params)
 
 
+DRAFT_MODES = {"mtp": "adaptive", "context": "context", "both": "both"}  # --drafts -> mode
+
+
 def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens: int = 64,
-                 ks: list[int] | None = None, peer: Peer | None = None,
+                 ks: list[int] | None = None, drafts: tuple[str, ...] = ("mtp", "context", "both"),
+                 peer: Peer | None = None,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every prompt in every mode; with `peer`, also in another engine (greedy tokens and
-    its decode rate for prompt ids and a number of new tokens), after ours."""
-    ks = list(range(1, engine.k_max + 1)) if ks is None else ks
+    its decode rate for prompt ids and a number of new tokens), after ours. `drafts`: the
+    adaptive modes to run, by source (the modules' need a model that has them)."""
+    mtp = engine.mtp and "mtp" in drafts
+    ks = [] if not mtp else list(range(1, engine.k_max + 1)) if ks is None else ks
     # Decode speed over the same lengths as before the loop rule (and as the peer decodes).
     modes: dict[str, GenParams] = {"ar": GenParams(max_new_tokens, speculative=False,
                                                    stop_loops=False)}
-    if engine.k_max:
-        modes |= {f"fixed.{k}": GenParams(max_new_tokens, k=k, stop_loops=False) for k in ks}
-        modes["adaptive"] = GenParams(max_new_tokens, stop_loops=False)
-    _run(engine, prompts[0], modes["adaptive" if engine.k_max else "ar"])  # warm-up
+    modes |= {f"fixed.{k}": GenParams(max_new_tokens, k=k, stop_loops=False, drafts="mtp")
+              for k in ks}
+    modes |= {DRAFT_MODES[d]: GenParams(max_new_tokens, stop_loops=False, drafts=d)
+              for d in drafts if engine.k_max and (d != "mtp" or engine.mtp)}
+    by_source: dict[str, list[int]] = {}  # in the "both" mode: [steps, drafted, accepted]
+    for mode in modes:  # warm-up: the policy's first steps are not timed
+        _run(engine, prompts[0], modes[mode])
     rates: dict[str, list[float | None]] = {m: [] for m in modes}
     steps: dict[str, list[int]] = {m: [0, 0] for m in modes}  # tokens, verify steps
     k_hist: Counter[int] = Counter()
     acc_pos: list[list[int]] = [[0, 0] for _ in range(engine.k_max)]
     identical, line_hits = True, 0
     peer_rates: list[float] = []
+    peer_steps = [0, 0]  # tokens, steps
     peer_same: list[bool] = []  # per prompt without a forced start: the peer's tokens ours?
     for n, prompt in enumerate(prompts):
         ar_tokens: list[int] = []
@@ -130,21 +143,31 @@ def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens:
             identical &= gen.tokens == ar_tokens
             if mode == "adaptive":
                 k_hist.update(s.k_hist)
+            if mode == "both":
+                for source, counts in s.by_source.items():
+                    total = by_source.setdefault(source, [0, 0, 0])
+                    total[:] = [a + b for a, b in zip(total, counts, strict=True)]
             if mode == f"fixed.{engine.k_max}":
                 for i, (a, v) in enumerate(zip(s.accepted_by_pos, s.verified_by_pos, strict=True)):
                     acc_pos[i][0] += a
                     acc_pos[i][1] += v
         if peer is not None:
-            tokens, rate = peer(prompt.ids, max_new_tokens)
+            tokens, rate, taken = peer(prompt.ids, max_new_tokens)
             peer_rates.append(rate)
+            peer_steps[0] += len(tokens)
+            peer_steps[1] += taken
             if not prompt.forced:
                 peer_same.append(tokens[:len(ar_tokens)] == ar_tokens)
         if progress:
             progress(n + 1, len(prompts))
     out = _summary(modes, rates, steps, k_hist, acc_pos, identical, len(prompts))
+    if "both" in out:
+        out["both"]["by_source"] = {src: {"steps": n, "drafted": d, "accepted": a}
+                                    for src, (n, d, a) in sorted(by_source.items())}
     out["first_line_exact_match"] = line_hits / len(prompts)
     if peer is not None:
         out["peer"] = _peer_summary(rates, peer_rates, peer_same)
+        out["peer"]["tokens_per_step"] = peer_steps[0] / max(peer_steps[1], 1)
     return out
 
 
@@ -153,7 +176,7 @@ def _peer_summary(rates: dict[str, list[float | None]], peer_rates: list[float],
     timed = [i for i, r in enumerate(rates["ar"]) if r is not None]
     out: dict[str, Any] = {"tokens_per_s": statistics.median(peer_rates[i] for i in timed),
                            "same_tokens": sum(peer_same), "compared": len(peer_same)}
-    for mode in ("ar", "adaptive"):
+    for mode in ("ar", "adaptive", "context", "both"):
         if mode in rates:  # ours over the peer's, per prompt
             out[f"{mode}_vs_peer"] = statistics.median(
                 (rates[mode][i] or 0.0) / peer_rates[i] for i in timed)
@@ -187,6 +210,11 @@ def _summary(modes: dict[str, GenParams], rates: dict[str, list[float | None]],
             mode.split(".")[1]: statistics.median(
                 (rates["adaptive"][i] or 0.0) / (rates[mode][i] or 1.0) for i in timed)
             for mode in modes if mode.startswith("fixed.")}
+    if "both" in out:  # paired, as above: both sources against each alone
+        out["both"]["vs_single"] = {
+            mode: statistics.median((rates["both"][i] or 0.0) / (rates[mode][i] or 1.0)
+                                    for i in timed)
+            for mode in ("adaptive", "context") if mode in modes}
     out["acceptance_by_position"] = [a / v if v else None for a, v in acc_pos]
     return out
 
@@ -194,10 +222,11 @@ def _summary(modes: dict[str, GenParams], rates: dict[str, list[float | None]],
 def format_report(result: dict[str, Any]) -> str:
     rows = [("autoregressive", result["ar"])]
     rows += [(f"MTP K={k}", e) for k, e in result.get("fixed", {}).items()]
-    if "adaptive" in result:
-        rows.append(("MTP adaptive K", result["adaptive"]))
-    lines = [f"{'mode':<16}{'tokens/s':>10}{'tokens/step':>13}{'vs AR':>8}"]
-    lines += [f"{name:<16}{e['tokens_per_s']:>10.1f}{e['tokens_per_step']:>13.2f}"
+    rows += [(name, result[mode]) for mode, name in (
+        ("adaptive", "MTP adaptive K"), ("context", "context drafts"),
+        ("both", "both, chosen live")) if mode in result]
+    lines = [f"{'mode':<18}{'tokens/s':>10}{'tokens/step':>13}{'vs AR':>8}"]
+    lines += [f"{name:<18}{e['tokens_per_s']:>10.1f}{e['tokens_per_step']:>13.2f}"
               f"{e['speedup_vs_ar']:>7.2f}x" for name, e in rows]
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in result["acceptance_by_position"])
     lines.append(f"acceptance by draft position (K=max): {acc or '-'}")
@@ -206,12 +235,23 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append(f"adaptive K histogram (K:steps): {hist}")
         vs = " ".join(f"K={k}:{r:.3f}" for k, r in result["adaptive"]["vs_fixed"].items())
         lines.append(f"adaptive / fixed K, median of per-prompt ratios: {vs or '-'}")
+    if "both" in result:
+        vs = " ".join(f"{'MTP' if m == 'adaptive' else m}:{r:.3f}"
+                      for m, r in result["both"]["vs_single"].items())
+        lines.append(f"both / one source, median of per-prompt ratios: {vs or '-'}")
+        used = ", ".join(f"{src} {c['steps']} steps, {c['accepted']}/{c['drafted']} kept"
+                         for src, c in result["both"]["by_source"].items())
+        lines.append(f"both: drafts by source: {used or 'none'}")
     if "peer" in result:
         peer = result["peer"]
         vs = ", ".join(f"{'autoregressive' if m == 'ar' else m} {peer[f'{m}_vs_peer']:.2f}x"
-                       for m in ("ar", "adaptive") if f"{m}_vs_peer" in peer)
-        lines.append(f"peer (llama-server, greedy, same threads): {peer['tokens_per_s']:.1f} "
-                     f"tokens/s; ours vs the peer, median of per-prompt ratios: {vs}; "
+                       for m in ("ar", "adaptive", "context", "both") if f"{m}_vs_peer" in peer)
+        spec = f", {peer['args']}" if peer.get("args") else ""
+        steps = f", {peer['tokens_per_step']:.2f} tokens/step" \
+            if peer.get("tokens_per_step") else ""
+        lines.append(f"peer (llama-server, greedy, same threads{spec}): "
+                     f"{peer['tokens_per_s']:.1f} tokens/s{steps}; "
+                     f"ours vs the peer, median of per-prompt ratios: {vs}; "
                      f"same tokens as ours: {peer['same_tokens']} of {peer['compared']} "
                      "prompts without a forced start")
     lines.append(f"first line exact match: {result['first_line_exact_match']:.2f}")

@@ -69,10 +69,13 @@ class LlamaServer:
                 self._ready.set()
         self._ready.set()  # it exited: `__enter__` sees that
 
-    def complete(self, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
-        """Greedy tokens after `ids` and the server's decode rate (tokens/s)."""
+    def complete(self, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
+        """Greedy tokens after `ids`, the server's decode rate (tokens/s) and its decode
+        steps (fewer than tokens where it drafts: `--spec-type`)."""
         tokens, timings = self.complete_timed(ids, max_tokens)
-        return tokens, float(timings["predicted_per_second"])
+        made = int(timings.get("predicted_n", len(tokens)))
+        steps = made - int(timings.get("draft_n_accepted") or 0)
+        return tokens, float(timings["predicted_per_second"]), max(steps, 1)
 
     def complete_timed(self, ids: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
         """Greedy tokens after `ids` and the server's `timings` (decode rate, drafts)."""

@@ -31,7 +31,8 @@ Progress = Callable[[str], None]
 def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: int,
                   k_max: int, slots: int, compile: bool | None = None,
                   graphs: bool | None = None, exact: bool | None = None,
-                  quant: str = "none", draft_vocab: int = 32768) -> Engine:
+                  quant: str = "none", draft_vocab: int = 32768,
+                  drafts: str = "mtp") -> Engine:
     """An engine on the preset's shapes with random weights (any tokenizer does: token ids
     past its vocabulary decode to nothing)."""
     if name not in PRESETS:
@@ -49,7 +50,7 @@ def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: in
     tokenizer = Tokenizer.from_dir(bundled)
     engine = Engine(model, tokenizer, max_seq_len=max_seq_len, k_max=k_max, slots=slots,
                     compile=compile, graphs=graphs, exact=exact, quant=quant,
-                    draft_vocab=draft_vocab)
+                    draft_vocab=draft_vocab, drafts=drafts)
     engine.calibrate()
     return engine
 

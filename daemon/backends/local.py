@@ -90,6 +90,7 @@ class LocalBackend:
                 "quant": describe(self.engine.model),
                 "load_s": {k: round(v, 2) for k, v in self.engine.load_seconds.items()},
                 **self._memory(),
+                "drafts_by_source": self.engine.drafting.report(),
                 **self.engine.policy.report()}
 
     def _memory(self) -> dict[str, Any]:
