@@ -173,6 +173,23 @@ def test_what_was_learned_carries_over_to_a_new_policy() -> None:
                                                          abs=1e-3)
 
 
+def test_the_contexts_tables_carry_over_and_older_files_start_them_from_priors() -> None:
+    policy = trained(0.8)
+    for _ in range(30):
+        policy.context.observe(TextKind.CODE, 4, 3, 3)
+        policy.context.observe(TextKind.STRING, 0, 2, 0)
+    saved = json.loads(json.dumps(policy.learned()))
+    fresh = KPolicy(8, COSTS)
+    fresh.start_from(saved)
+    assert fresh.context.report() == policy.context.report()
+    assert fresh.context.tables[0].rates(TextKind.STRING)[0] < 0.1
+    del saved["context"]  # a file saved before context drafts
+    older = KPolicy(8, COSTS)
+    older.start_from(saved)
+    assert older.context.report() == KPolicy(8, COSTS).context.report()
+    assert older.rates(TextKind.CODE) == pytest.approx(policy.rates(TextKind.CODE), abs=1e-3)
+
+
 @pytest.mark.parametrize("damage", [
     lambda s: s.update(version=2),
     lambda s: s.update(k_max=-1),
@@ -181,6 +198,8 @@ def test_what_was_learned_carries_over_to_a_new_policy() -> None:
     lambda s: s.update(calibration=s["calibration"][:3]),
     lambda s: s["calibration_at"][0].__setitem__(0, ["x", 1]),
     lambda s: s["calibration_at"][1].__setitem__(0, [float("nan"), 1.0]),
+    lambda s: s.update(context=s["context"][:2]),
+    lambda s: s["context"][3].update(code=[[2.0, 1.0]] * 8),
 ])
 def test_a_damaged_state_is_refused_and_changes_nothing(damage: Any) -> None:
     state = trained(0.8).learned()

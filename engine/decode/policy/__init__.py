@@ -141,8 +141,8 @@ class KPolicy:
     # Across restarts
 
     def learned(self) -> dict[str, Any]:
-        return store.learned(self.acceptance, self.calibration)
+        return store.learned(self.acceptance, self.calibration, self.context)
 
     def start_from(self, state: Mapping[str, Any]) -> None:
-        store.start_from(self.acceptance, self.calibration, state)
+        store.start_from(self.acceptance, self.calibration, self.context, state)
         self._plans.clear()
