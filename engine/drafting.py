@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.cache.slots import Slot
+from engine.decode.context import ContextIndex
 from engine.decode.policy import KPolicy, TextKind
 from engine.decode.sources import Proposal, modules_pay, propose
 from engine.decode.state import DecodeState
@@ -22,6 +23,7 @@ Plan = tuple[int, int, bool]  # drafts at most, the chain's floor, whether the r
 class Drafting:
     def __init__(self, policy: KPolicy, state: DecodeState, k_max: int) -> None:
         self.policy, self.state, self.k_max = policy, state, k_max
+        self._indexes: dict[int, ContextIndex] = {}  # per slot (see decode/context.py)
         # Since load, per source: steps that verified its drafts, drafts, drafts kept.
         self.totals: dict[str, list[int]] = {}
 
@@ -38,9 +40,9 @@ class Drafting:
         fixed, policy = g.params.k, self.policy
         if fixed is None:  # draft at all? then up to k_max, the chain deciding where to stop
             chosen = policy.choose(g.kind, rows)
-            if chosen and not policy.probing and g.context is not None and not modules_pay(
-                    policy, g.kind, g.sequence, g.context, pending(slot), chosen, self.k_max,
-                    rows):
+            if chosen and not policy.probing and g.use_context and not modules_pay(
+                    policy, g.kind, g.sequence, self.index(slot), pending(slot), chosen,
+                    self.k_max, rows):
                 return 0, 0, False  # the context's drafts will do
             k = self.k_max if chosen else 0
         else:
@@ -64,10 +66,10 @@ class Drafting:
         the slots' buffers for the next step."""
         index, tokens, counts = [], [], []
         for g, s in zip(gens, slots, strict=True):
-            if g.context is None or g.finish_reason is not None:
+            if not g.use_context or g.finish_reason is not None:
                 continue
             mtp = Proposal(s.drafts, s.confidence)
-            p = propose(self.policy, g.kind, g.sequence, g.context, mtp, self.limit(g, s),
+            p = propose(self.policy, g.kind, g.sequence, self.index(s), mtp, self.limit(g, s),
                         g.params.k, rows)
             if p.bucket is None:
                 continue
@@ -80,6 +82,10 @@ class Drafting:
         if index:
             self.state.set_rows(index, tokens=tokens, num_drafts=counts,
                                 given=[True] * len(index))
+
+    def index(self, slot: Slot) -> ContextIndex:
+        """The context index of the slot's sequence."""
+        return self._indexes.setdefault(slot.index, ContextIndex())
 
     def give(self, g: Generation, slot: Slot, drafts: list[int]) -> None:
         """The caller's drafts for the row's next step, in place of any made."""
@@ -100,7 +106,7 @@ class Drafting:
             return
         if source == "mtp" and g.use_mtp:
             self.policy.observe(kind, k, accepted, None, verified.confidence)
-            if g.context is not None:
+            if g.use_context:
                 self.policy.context.modules_kept(accepted)
         elif source == "context" and verified.bucket is not None:
             self.policy.context.observe(kind, verified.bucket, k, accepted)

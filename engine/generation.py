@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.decode import quality
-from engine.decode.context import ContextIndex
 from engine.decode.indent import IndentFloor
 from engine.decode.policy import TextKind, classify
 from engine.decode.sampling import Sampling
@@ -123,8 +122,8 @@ class Generation(Iterator[Step]):
         drafting, sources = params.speculative and engine.k_max > 0, \
             params.drafts or engine.draft_sources
         self.use_mtp = drafting and engine.mtp and sources != "context"
-        # Drafts from the row's own tokens (decode/context.py), indexed as they arrive.
-        self.context = ContextIndex() if drafting and sources != "mtp" else None
+        # Drafts from the row's own tokens too (decode/context.py)
+        self.use_context = drafting and sources != "mtp"
         self.sequence = list(prompt)  # then every committed token; the last is next to run
         self.tokens: list[int] = []  # the output, up to a stop
         self.text = ""

@@ -63,6 +63,19 @@ def test_the_index_catches_up_as_tokens_arrive() -> None:
     assert bucket_of(1) == 0 and bucket_of(40) == len(BUCKETS) - 1
 
 
+def test_an_index_moves_to_the_next_sequence_in_its_slot() -> None:
+    """The next keystroke's prompt keeps the common prefix indexed; what the old tokens left
+    is found and dropped, never drafted."""
+    index = ContextIndex()
+    first = [4, 5, 6, 1, 4, 5]
+    found = index.draft(first, 3)
+    assert found is not None and found.tokens == [6, 1, 4]
+    assert index.draft([7, 7, 7, 7, 4, 5], 3) is None  # "4 5" at 0 was the old sequence's
+    typed = [4, 5, 6, 1, 4, 5, 6, 1, 2, 4, 5]
+    found = index.draft(typed, 3)  # the next one shares a prefix: the latest "4 5" wins
+    assert found is not None and found.tokens == [6, 1, 2] and found.start == 6
+
+
 def test_the_source_expected_to_yield_more_drafts() -> None:
     policy = KPolicy(4, [1.0, 1.01, 1.02, 1.03, 1.04])  # verifying costs little more
     seq = [7, 8, 9, 1, 2, 3, 4, 5, 7, 8, 9]  # "7 8 9" occurred: drafts 1 2 3 4

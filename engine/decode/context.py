@@ -5,7 +5,11 @@ sent, then everything generated).
 The index maps every n-gram (n = 1..MAX_N) to the position after its latest occurrence
 that has a token after it; it catches up with the sequence as tokens arrive (MAX_N dict
 writes a token), and a lookup is MAX_N dict reads, then a bounded look back to measure how
-long the match really is: constant work a step, whatever the context's length. The match's
+long the match really is: constant work a step, whatever the context's length. An index
+serves one sequence at a time, and is kept per KV-cache slot: the next prompt in the slot
+(the next keystroke's) shares most of the last one's tokens, so only what follows their
+common prefix is indexed again; entries left from the old tokens are checked against the
+sequence when found, and dropped if they no longer match. The match's
 length is what says most about whether its continuation will be accepted (a one-token match
 is a guess, a retyped line is not), so drafts carry it (`bucket`), and the K policy keeps
 acceptance per bucket.
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from engine.cache.slots import common_prefix
 
 MAX_N = 4  # longest n-gram indexed
 LOOK_BACK = 32  # the most tokens a match's length is measured over
@@ -37,10 +43,15 @@ class ContextIndex:
     def __init__(self) -> None:
         self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_N)]
         self._indexed = 0  # positions i < _indexed have their n-grams ending before i indexed
+        self._seq: list[int] = []  # the sequence indexed (a generation's: it only grows)
 
     def catch_up(self, seq: list[int]) -> None:
         """Index the n-grams that now have a token after them: those ending just before
-        each position up to len(seq) - 1. `seq` only grows (a generation's sequence)."""
+        each position up to len(seq) - 1. Another sequence than the last one indexed keeps
+        what the two have in common."""
+        if seq is not self._seq:
+            self._indexed = min(self._indexed, common_prefix(self._seq, seq))
+            self._seq = seq
         for i in range(max(self._indexed, 1), len(seq)):
             for n in range(1, min(MAX_N, i) + 1):
                 self._after[n - 1][tuple(seq[i - n:i])] = i
@@ -56,9 +67,10 @@ class ContextIndex:
         self.catch_up(seq)
         recent = [*seq[-(MAX_N + LOOK_BACK):], *tail]
         for n in range(min(MAX_N, len(recent)), 0, -1):
-            at = self._after[n - 1].get(tuple(recent[-n:]))
-            if at is None:
-                continue
+            key = tuple(recent[-n:])
+            at = self._after[n - 1].get(key)
+            if at is None or at >= len(seq) or tuple(seq[at - n:at]) != key:
+                continue  # absent, or left from another sequence's tokens
             length = n
             while (length < min(LOOK_BACK, len(recent) - 1) and at - length - 1 >= 0
                    and seq[at - length - 1] == recent[-length - 1]):
