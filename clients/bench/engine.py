@@ -122,7 +122,8 @@ def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens:
     rates: dict[str, list[float | None]] = {m: [] for m in modes}
     steps: dict[str, list[int]] = {m: [0, 0] for m in modes}  # tokens, verify steps
     k_hist: Counter[int] = Counter()
-    acc_pos: list[list[int]] = [[0, 0] for _ in range(engine.k_max)]
+    top = max(ks, default=0)  # the largest fixed K run: its acceptance by draft position
+    acc_pos: list[list[int]] = [[0, 0] for _ in range(top)]
     identical, line_hits = True, 0
     peer_rates: list[float] = []
     peer_steps = [0, 0]  # tokens, steps
@@ -147,7 +148,7 @@ def bench_engine(engine: Engine, prompts: list[CursorPrompt], *, max_new_tokens:
                 for source, counts in s.by_source.items():
                     total = by_source.setdefault(source, [0, 0, 0])
                     total[:] = [a + b for a, b in zip(total, counts, strict=True)]
-            if mode == f"fixed.{engine.k_max}":
+            if mode == f"fixed.{top}":
                 for i, (a, v) in enumerate(zip(s.accepted_by_pos, s.verified_by_pos, strict=True)):
                     acc_pos[i][0] += a
                     acc_pos[i][1] += v
@@ -229,7 +230,9 @@ def format_report(result: dict[str, Any]) -> str:
     lines += [f"{name:<18}{e['tokens_per_s']:>10.1f}{e['tokens_per_step']:>13.2f}"
               f"{e['speedup_vs_ar']:>7.2f}x" for name, e in rows]
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in result["acceptance_by_position"])
-    lines.append(f"acceptance by draft position (K=max): {acc or '-'}")
+    if acc:  # of the largest fixed K run
+        top = len(result["acceptance_by_position"])
+        lines.append(f"acceptance by draft position (MTP K={top}): {acc}")
     if "adaptive" in result:
         hist = " ".join(f"{k}:{v}" for k, v in result["adaptive"]["k_histogram"].items())
         lines.append(f"adaptive K histogram (K:steps): {hist}")
