@@ -133,6 +133,7 @@ class Feedback(_Msg, tag="feedback"):
     request: int
     event: FeedbackEvent
     chars: int = 0
+    language: str = ""  # the document's language id
 
 
 # Daemon to client.

@@ -118,8 +118,13 @@ class Connection:
                     self.server.scheduler.detach(job, listener)
             case p.Status(id=req_id):
                 self.send(p.StatusReply(id=req_id, info=self.server.status()))
-            case p.Feedback(event=event):
+            case p.Feedback(event=event, language=language):
                 self.server.stats.counts[event] += 1
+                suggestions, model = self.server.stats.suggestions, self.server.model_name
+                if event == "shown":
+                    suggestions.shown(model, language or "unknown")
+                elif event in ("accepted", "partial"):
+                    suggestions.taken(model, language or "unknown", full=event == "accepted")
             case p.Shutdown(id=req_id):
                 self.send(p.Done(id=req_id, text="", finish_reason="shutdown"))
                 self.server.stop()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.paths import write_atomic
+from daemon.suggestions import Suggestions
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -32,7 +33,9 @@ class Stats:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.counts: Counter[str] = Counter()  # tokens and client feedback
-        self.lifetime: Counter[str] = Counter(_load(path).get("lifetime", {}))
+        saved = _load(path)
+        self.lifetime: Counter[str] = Counter(saved.get("lifetime", {}))
+        self.suggestions = Suggestions(saved.get("suggestions_by_day"))
         self.k_chosen: Counter[int] = Counter()
         self.latency_ms: deque[float] = deque(maxlen=2000)
         self.engine_ms: deque[float] = deque(maxlen=2000)
@@ -55,6 +58,7 @@ class Stats:
                 "k_chosen": {str(k): v for k, v in sorted(self.k_chosen.items())},
                 "latency_ms": percentiles(list(self.latency_ms)),
                 "engine_ms": percentiles(list(self.engine_ms)),
+                **self.suggestions.snapshot(),
                 **({"http_hop_ms": percentiles(list(self.hop_ms))} if self.hop_ms else {})}
 
     def save(self, counts: dict[str, int]) -> None:

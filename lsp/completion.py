@@ -75,6 +75,7 @@ class Completer:
         self.extra = ExtraContext()
         self.overhead_ms: deque[float] = deque(maxlen=5000)  # per answered request
         self.daemon_ms: deque[float] = deque(maxlen=5000)  # its wait for the daemon
+        self.last_shown = (0, "")  # the last suggestion's length and language
 
     def note(self, uri: str, text: str, line: int | None) -> None:
         if "\x00" not in text[:BINARY_SNIFF]:
@@ -117,7 +118,10 @@ class Completer:
         # Our own time: everything but the wait for the daemon.
         self.overhead_ms.append((time.perf_counter() - t0 - (t2 - t1)) * 1000)
         self.daemon_ms.append((t2 - t1) * 1000)
-        return (shown, at) if shown else None
+        if not shown:
+            return None
+        await self.shown(shown, req.language)
+        return shown, at
 
     def _request(self, uri: str, language: str, text: str,
                  offset: int) -> tuple[p.Complete, str, str]:
@@ -136,6 +140,18 @@ class Completer:
                          indent_floor=floor)
         return req, before, after
 
-    async def feedback(self, event: p.FeedbackEvent, chars: int) -> None:
+    async def shown(self, text: str, language: str) -> None:
+        """A suggestion went to the editor."""
+        self.last_shown = (len(text), language)
+        await self.feedback("shown", len(text), language)
+
+    async def accepted(self, chars: int) -> None:
+        """The editor took `chars` characters of the last suggestion shown: all of it, or a
+        part (a word, a line)."""
+        shown, language = self.last_shown
+        await self.feedback("partial" if 0 < chars < shown else "accepted", chars, language)
+
+    async def feedback(self, event: p.FeedbackEvent, chars: int, language: str = "") -> None:
         with contextlib.suppress(DaemonUnavailable):  # statistics are not worth a warning
-            await self.client.notify(p.Feedback(id=0, request=0, event=event, chars=chars))
+            await self.client.notify(p.Feedback(id=0, request=0, event=event, chars=chars,
+                                                language=language))

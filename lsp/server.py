@@ -207,10 +207,12 @@ async def status(ls: AheadServer, params: Any) -> dict[str, Any]:
 
 
 @server.command(ACCEPT_COMMAND)
-async def accepted(ls: AheadServer, args: Any) -> None:
+async def accepted(ls: AheadServer, *args: Any) -> None:
     """A suggestion was accepted (fully, or in part: the number of characters taken)."""
-    chars = args[0] if isinstance(args, list) and args and isinstance(args[0], int) else 0
-    await ls.completer.feedback("accepted", chars)
+    if len(args) == 1 and isinstance(args[0], list):  # the arguments as one list
+        args = tuple(args[0])
+    chars = args[0] if args and isinstance(args[0], int) else 0
+    await ls.completer.accepted(chars)
 
 
 def main() -> None:

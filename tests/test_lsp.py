@@ -213,13 +213,23 @@ def test_the_language_server_imports_no_torch() -> None:
 async def test_accepting_a_suggestion_reaches_the_daemons_stats(lsp: LanguageClient,
                                                                 tmp_path: Path) -> None:
     uri = open_doc(lsp, PY)
-    await inline(lsp, uri, end_of(PY))
+    shown = await inline(lsp, uri, end_of(PY))
+    assert shown is not None
+    text = shown.items[0].insert_text
+    taken = text if isinstance(text, str) else text.value
     await lsp.workspace_execute_command_async(types.ExecuteCommandParams(
-        command="ahead.accepted", arguments=[12]))
+        command="ahead.accepted", arguments=[len(taken)]))
+    await lsp.workspace_execute_command_async(types.ExecuteCommandParams(  # a word of the next
+        command="ahead.accepted", arguments=[1]))
     daemon = Client(tmp_path / "rt" / "daemon.sock", autostart=False)
     info = await daemon.status()
     await daemon.close()
-    assert info["counts"].get("accepted") == 1
+    assert info["counts"].get("accepted") == 1 and info["counts"].get("partial") == 1, taken
+    # what became of shown suggestions, per model and language (and day)
+    (model, languages), = info["suggestions"].items()
+    assert languages["python"]["shown"] == 1 and languages["python"]["accepted"] == 1
+    assert languages["python"]["partial"] == 1
+    assert sum(d[model]["python"]["shown"] for d in info["suggestions_by_day"].values()) == 1
 
 
 def test_bench_lsp_reports_the_servers_own_time(model_dir: Path, tmp_path: Path) -> None:
