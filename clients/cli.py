@@ -25,8 +25,6 @@ EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from clients.bench.edits import edit_prompts
     from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
-    from clients.common import engine_options
-    from engine import Engine
     from engine.decode.sources import DRAFTS
 
     if args.preset or args.slots > 1 or args.context or args.synthetic_acceptance:
@@ -36,7 +34,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     if not drafts or not set(drafts) <= set(DRAFTS):
         raise CliError(f"--drafts: a comma-separated list of {', '.join(DRAFTS)}, "
                        f"got {args.drafts!r}")
-    engine = Engine.load(model_dir(args), **engine_options(args), mtp=not args.without_mtp)
+    engine = load_engine(args, mtp=not args.without_mtp)
     make = edit_prompts if args.workload == "edit" else cursor_prompts
     prompts = make(engine, files, args.num_prompts, args.seed,
                    max_new_tokens=args.max_new_tokens)
@@ -83,7 +81,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
     from clients.common import engine_options
 
     # the MTP modules' steps (the context's drafts are not what synthetic rates stand for)
-    opts = engine_options(args) | {"drafts": "mtp"}
+    mtp_only = {"drafts": "mtp"}
     if args.peer:  # checked before minutes of our own runs, not after them
         if not args.peer_model:
             raise CliError("--peer needs --peer-model (the same shapes as a GGUF file)")
@@ -92,14 +90,12 @@ def _bench_steps(args: argparse.Namespace) -> int:
                 raise CliError(f"{what} {path} does not exist")
     if args.preset:
         try:
-            engine = preset_engine(args.preset, **opts)
+            engine = preset_engine(args.preset, **(engine_options(args) | mtp_only))
         except ValueError as e:
             raise CliError(str(e)) from None
         name = args.preset
     else:
-        from engine import Engine
-
-        engine = Engine.load(model_dir(args), **opts)
+        engine = load_engine(args, **mtp_only)
         name = str(model_dir(args))
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
     synthetic = None

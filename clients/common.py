@@ -53,10 +53,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                for name in SWITCHES}}
 
 
-def load_engine(args: argparse.Namespace) -> Any:
+def load_engine(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The engine the flags, the config file and AHEAD_* ask for; `overrides`: keyword
+    arguments of Engine.load a command sets itself."""
     from engine import Engine
 
-    return Engine.load(model_dir(args), **engine_options(args))
+    return Engine.load(model_dir(args), **(engine_options(args) | overrides))
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

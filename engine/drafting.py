@@ -15,7 +15,7 @@ from engine.decode.context import ContextIndex
 from engine.decode.policy import KPolicy, TextKind
 from engine.decode.sources import Proposal, modules_pay, propose
 from engine.decode.state import DecodeState
-from engine.generation import Generation
+from engine.generation import Generation, tally
 
 Plan = tuple[int, int, bool]  # drafts at most, the chain's floor, whether the rule applies
 
@@ -64,24 +64,19 @@ class Drafting:
         """After a step (or a prefill) left the modules' drafts in the slots: each row takes
         the context's instead where they are expected to yield more; those are written to
         the slots' buffers for the next step."""
-        index, tokens, counts = [], [], []
+        taken: list[tuple[Generation, Slot, Proposal]] = []
         for g, s in zip(gens, slots, strict=True):
             if not g.use_context or g.finish_reason is not None:
                 continue
-            mtp = Proposal(s.drafts, s.confidence)
+            mtp = pending(s)
             p = propose(self.policy, g.kind, g.sequence, self.index(s), mtp, self.limit(g, s),
                         g.params.k, rows)
-            if p.bucket is None:
+            if p is mtp:
                 continue
             if mtp.tokens:  # the modules drafted beside the context, for nothing
                 self.policy.context.modules_kept(0)
-            s.set_drafts(p.tokens, [], "context", p.bucket)
-            index.append(s.index)
-            tokens.append([g.sequence[-1], *p.tokens] + [0] * (self.k_max - len(p.tokens)))
-            counts.append(len(p.tokens))
-        if index:
-            self.state.set_rows(index, tokens=tokens, num_drafts=counts,
-                                given=[True] * len(index))
+            taken.append((g, s, p))
+        self._write(taken)
 
     def index(self, slot: Slot) -> ContextIndex:
         """The context index of the slot's sequence."""
@@ -89,19 +84,24 @@ class Drafting:
 
     def give(self, g: Generation, slot: Slot, drafts: list[int]) -> None:
         """The caller's drafts for the row's next step, in place of any made."""
-        drafts = drafts[:self.limit(g, slot)]
-        slot.set_drafts(drafts, [], "given")
-        self.state.set_rows([slot.index], num_drafts=[len(drafts)], given=[True],
-                            tokens=[[g.sequence[-1], *drafts] + [0] * (self.k_max - len(drafts))])
+        self._write([(g, slot, Proposal(drafts[:self.limit(g, slot)], [], source="given"))])
 
-    def observe(self, g: Generation, kind: TextKind, verified: Proposal, source: str,
-                accepted: int) -> None:
+    def _write(self, rows: list[tuple[Generation, Slot, Proposal]]) -> None:
+        """Drafts made on the host, into the rows' slots and their device buffers."""
+        for _, s, p in rows:
+            s.set_drafts(p.tokens, [], p.source, p.bucket)
+        if rows:
+            self.state.set_rows(
+                [s.index for _, s, _ in rows], num_drafts=[len(p.tokens) for _, _, p in rows],
+                given=[True] * len(rows),
+                tokens=[[g.sequence[-1], *p.tokens] + [0] * (self.k_max - len(p.tokens))
+                        for g, _, p in rows])
+
+    def observe(self, g: Generation, kind: TextKind, verified: Proposal, accepted: int) -> None:
         """What the row's step did with the drafts it verified, made in `kind` of text, for
         the K policy (adaptive rows only: a fixed K says nothing about what to choose)."""
-        k = len(verified.tokens)
-        if k:
-            counts = self.totals.setdefault(source, [0, 0, 0])
-            counts[:] = [counts[0] + 1, counts[1] + k, counts[2] + accepted]
+        k, source = len(verified.tokens), verified.source
+        tally(self.totals, source, k, accepted)
         if g.params.k is not None:
             return
         if source == "mtp" and g.use_mtp:
@@ -111,18 +111,18 @@ class Drafting:
         elif source == "context" and verified.bucket is not None:
             self.policy.context.observe(kind, verified.bucket, k, accepted)
 
-    def observe_step(self, gens: Sequence[Generation], sources: list[str], verified: int,
+    def observe_step(self, gens: Sequence[Generation], verified: Sequence[Proposal],
                      drafts: int, seconds: float, rows: int) -> None:
-        """A step of `rows` rows verified up to `verified` drafts and made up to `drafts`:
+        """A step of `rows` rows verified the drafts `verified` and made up to `drafts`:
         its cost informs the curve it belongs to (a step verifying the context's drafts
         while making the modules' belongs to neither)."""
         if all(g.params.k is not None for g in gens):
             return
+        most = max(len(p.tokens) for p in verified)
         if not drafts:
-            self.policy.observe_verify(verified, seconds, rows)
-        elif all(s == "mtp" for s in sources):
-            self.policy.observe_step(verified, seconds, rows)
-
+            self.policy.observe_verify(most, seconds, rows)
+        elif all(p.source == "mtp" for p in verified):
+            self.policy.observe_step(most, seconds, rows)
 
     def report(self) -> dict[str, dict[str, float]]:
         """Per source of drafts since load: steps, drafts, drafts kept and their share."""
@@ -133,4 +133,4 @@ class Drafting:
 
 def pending(slot: Slot) -> Proposal:
     """The drafts waiting in the slot, as a proposal."""
-    return Proposal(slot.drafts, slot.confidence, slot.bucket)
+    return Proposal(slot.drafts, slot.confidence, slot.bucket, slot.source)

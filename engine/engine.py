@@ -305,9 +305,9 @@ class Engine:
                     catch_up(self.model, self.caches, s.index, g.sequence, s.mtp_len, s.length)
                     s.mtp_len = s.length
         self.drafting.set_plans(index, plans, rows)
-        verified, sources = [pending(s) for s in slots], [s.source for s in slots]
-        most = max(len(p.tokens) for p in verified)
-        width = self.width if self.static else max(self.invariance.min_width, most + 1)
+        verified = [pending(s) for s in slots]
+        width = self.width if self.static else max(self.invariance.min_width,
+                                                   max(len(p.tokens) for p in verified) + 1)
         shape = Shape(width=width, drafts=k,
                       kv_len=self._kv_len(max(s.length for s in slots) + width + k + 1),
                       sampled=any(not g.sampling.greedy for g in gens),
@@ -319,16 +319,16 @@ class Engine:
             out = self._run(index, shape).tolist()
         seconds = time.perf_counter() - t0
         steps = []
-        for g, s, row, p, source, kind in zip(gens, slots, out[:len(gens)], verified, sources,
-                                              kinds, strict=True):
+        for g, s, row, p, kind in zip(gens, slots, out[:len(gens)], verified, kinds,
+                                      strict=True):
             tokens, n, drafts, confidence = unpack(row, shape)
             s.set_drafts(drafts, confidence)
             g.sequence.extend(tokens)
             s.advance(n + 1, modules=k > 0)
-            nd = len(p.tokens)
-            steps.append(g.verified(tokens, nd, seconds, unpack_logprobs(row, shape), source))
-            self.drafting.observe(g, kind, p, source, n)
-        self.drafting.observe_step(gens, sources, most, k, seconds, rows)
+            steps.append(g.verified(tokens, len(p.tokens), seconds, unpack_logprobs(row, shape),
+                                    p.source))
+            self.drafting.observe(g, kind, p, n)
+        self.drafting.observe_step(gens, verified, k, seconds, rows)
         self.drafting.choose(gens, slots, rows)
         return steps
 

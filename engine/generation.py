@@ -79,9 +79,7 @@ class Stats:
     min_logprob: float | None = None
 
     def record(self, k: int, accepted: int, seconds: float, source: str = "mtp") -> None:
-        if k:
-            counts = self.by_source.setdefault(source, [0, 0, 0])
-            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + k, counts[2] + accepted
+        tally(self.by_source, source, k, accepted)
         self.steps += 1
         self.drafted += k
         self.accepted += accepted
@@ -93,6 +91,14 @@ class Stats:
         for i in range(min(accepted + 1, k)):
             self.verified_by_pos[i] += 1
             self.accepted_by_pos[i] += i < accepted
+
+
+def tally(table: dict[str, list[int]], source: str, k: int, accepted: int) -> None:
+    """Count a step that verified k drafts of `source` (none: nothing to count) and kept
+    `accepted`, in a table of [steps, drafts, accepted] per source."""
+    if k:
+        counts = table.setdefault(source, [0, 0, 0])
+        counts[:] = [counts[0] + 1, counts[1] + k, counts[2] + accepted]
 
 
 class Host(Protocol):

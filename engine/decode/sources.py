@@ -30,7 +30,8 @@ DRAFTS = ("mtp", "context", "both")  # which sources a generation drafts from
 class Proposal:
     tokens: list[int]
     confidence: list[float]  # the module's probability per draft; empty for context drafts
-    bucket: int | None = None  # context drafts': of their match's length; None: the modules'
+    bucket: int | None = None  # context drafts': of their match's length
+    source: str = "mtp"  # what made them: "mtp", "context" or "given" (a caller)
 
 
 def mtp_expected(policy: KPolicy, confidence: list[float]) -> float:
@@ -58,7 +59,7 @@ def propose(policy: KPolicy, kind: TextKind, seq: list[int], index: ContextIndex
     value = policy.context.value(kind, found.bucket, k)
     if not k:
         return mtp
-    context = Proposal(found.tokens[:k], [], found.bucket)
+    context = Proposal(found.tokens[:k], [], found.bucket, "context")
     if not mtp.tokens:
         return context
     own = (1 + value) / policy.verify_cost(k, rows)
