@@ -79,19 +79,19 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     say("plain decoding")
     plain, ar_steps = _timed(engine, prompts[0],
-                             GenParams(new_tokens, speculative=False, stop_loops=False))
+                             _params(new_tokens, speculative=False))
     out["ar_step_ms"] = statistics.median(ar_steps) * 1e3
     out["ar_tokens_per_s"] = 1e3 / out["ar_step_ms"]
     identical = True
     out["step_ms_by_k"], out["tokens_per_s_by_k"], out["tokens_per_step_by_k"] = {}, {}, {}
     for k in ks:
         say(f"K={k}")
-        tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, k=k, stop_loops=False))
+        tokens, times = _timed(engine, prompts[0], _params(new_tokens, k=k))
         identical &= tokens == plain
         out["step_ms_by_k"][str(k)] = statistics.median(times) * 1e3
         out["tokens_per_s_by_k"][str(k)] = (len(tokens) - 1) / sum(times)
         out["tokens_per_step_by_k"][str(k)] = (len(tokens) - 1) / len(times)
-    tokens, times = _timed(engine, prompts[0], GenParams(new_tokens, stop_loops=False))
+    tokens, times = _timed(engine, prompts[0], _params(new_tokens))
     identical &= tokens == plain
     out["adaptive_tokens_per_s"] = (len(tokens) - 1) / sum(times)
     if slots > 1:
@@ -114,9 +114,15 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     return out
 
 
+def _params(new_tokens: int, **kw: Any) -> GenParams:
+    """Every generation here runs its full length: random weights write an end token or fall
+    into a loop anywhere, and a step is timed whatever its tokens."""
+    return GenParams(new_tokens, stop_loops=False, ignore_eos=True, **kw)
+
+
 def _prefill_s(engine: Engine, prompt: list[int]) -> float:
     engine.clear_cache("bench")
-    gen = engine.start(prompt, GenParams(1, speculative=False), slot="bench")
+    gen = engine.start(prompt, _params(1, speculative=False), slot="bench")
     _sync(engine)
     t0 = time.perf_counter()
     engine.step([gen])
@@ -137,10 +143,10 @@ def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[list[i
 
 
 def _batched(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    alone = [engine.generate(p, GenParams(new_tokens, speculative=False, stop_loops=False),
+    alone = [engine.generate(p, _params(new_tokens, speculative=False),
                              slot="bench").tokens
              for p in prompts]
-    gens = [engine.start(p, GenParams(new_tokens, stop_loops=False), slot=("batch", i))
+    gens = [engine.start(p, _params(new_tokens), slot=("batch", i))
             for i, p in enumerate(prompts)]
     engine.step(gens)
     t0 = time.perf_counter()
@@ -156,7 +162,7 @@ def _launches(engine: Engine, prompt: list[int], steps: int = 8) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     engine.clear_cache("bench")
-    gen = engine.start(prompt, GenParams(steps + 2, speculative=False), slot="bench")
+    gen = engine.start(prompt, _params(steps + 2, speculative=False), slot="bench")
     engine.step([gen])
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]

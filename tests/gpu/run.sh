@@ -3,6 +3,7 @@
 #   bash tests/gpu/run.sh            (logs and JSON results under $OUT, default ./gpu-out)
 #   GPU_PARTS="gpu-tests engine" bash tests/gpu/run.sh   (only those parts)
 # The GPU tests, then the benchmarks of issue #33: the bundled model (AR, every K, adaptive;
+# the context's drafts and both sources chosen live, #29, on held-out and editing prompts;
 # 1 and 3 slots), the real-shape presets' steps, the language server and the pipeline on CUDA,
 # and `ahead serve` to the first suggestion with a cold and a warm compile cache.
 # Each part has its own time limit, so one that hangs does not cost the rest; the summary at
@@ -61,6 +62,8 @@ part qwen3.5-2b-eager 120 $AHEAD bench engine --preset qwen3.5-2b --device cuda 
     --compile off --json "$OUT/qwen35-eager.json"
 part engine-slots3 60 $AHEAD bench engine --device cuda --dtype bf16 --num-prompts 12 --slots 3 --json "$OUT/slots3.json"
 part engine 120 $AHEAD bench engine --device cuda --dtype bf16 --num-prompts 12 --json "$OUT/engine.json"
+part engine-edit 90 $AHEAD bench engine --device cuda --dtype bf16 --num-prompts 12 --ks 8 \
+    --workload edit --json "$OUT/engine-edit.json"
 part qwen2-1.5b 90 $AHEAD bench engine --preset qwen2-1.5b --device cuda --dtype bf16 --json "$OUT/qwen2.json"
 part serve-cold 60 bash -c "first cold"
 part serve-warm 40 bash -c "first warm"
