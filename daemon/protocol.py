@@ -16,12 +16,15 @@ from typing import Any, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: RequestStats.hop_ms; 3: Done's scores, Complete.judge
+PROTOCOL_VERSION = 4  # 2: RequestStats.hop_ms; 3: Done's scores, Complete.judge;
+#                      4: the "prefetch" priority, RequestStats.prefetched
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 HEADER_BYTES = 4
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
 
-Priority = Literal["editor", "cli", "batch"]
+# "prefetch": the completion that would follow a shown suggestion once accepted, computed
+# while nothing else waits (daemon/requests.py); lowest of all.
+Priority = Literal["editor", "cli", "batch", "prefetch"]
 FeedbackEvent = Literal["shown", "accepted", "partial", "dismissed"]
 
 
@@ -160,6 +163,7 @@ class RequestStats(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     total_ms: float = 0.0
     hop_ms: float = 0.0  # a remote backend: its round trip beyond the server's own time
     typed_through: bool = False
+    prefetched: bool = False  # answered from a prefetch (made before it was asked for)
     k_histogram: dict[int, int] = {}
 
 

@@ -4,6 +4,13 @@ A `Complete` whose prefix is an earlier completion's prefix plus text that compl
 produced (with the same suffix) is answered from that completion: instantly if it finished,
 else by following it as it runs. Anything else becomes a new job that supersedes the
 document's earlier ones.
+
+Prefetch: once an editor shows a suggestion, it asks (at "prefetch" priority, the lowest) for
+the completion at the cursor the suggestion would leave if it were accepted whole. That job
+runs while nothing else waits; the request after the accept types through it (from its
+start), promoting it to its own priority, or is answered from it at once. Accepting a part
+(a word, a line) needs none: the shown completion's rest answers it. A keystroke that leaves
+the suggestion supersedes the prefetch like any older request of the document.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ class Listener:
                  on_end: Callable[[Listener], None] | None = None) -> None:
         self.req_id, self.send, self.skip = req_id, send, skip
         self.typed_through = typed_through
+        self.prefetched = False  # answered from a prefetch
         self.received = time.monotonic()
         self.on_end = on_end
         self.ended = False
@@ -68,7 +76,8 @@ class Listener:
     def stats(self, job: Job) -> p.RequestStats:
         now = time.monotonic()
         if self.typed_through:
-            return p.RequestStats(total_ms=(now - self.received) * 1000, typed_through=True)
+            return p.RequestStats(total_ms=(now - self.received) * 1000, typed_through=True,
+                                  prefetched=self.prefetched)
         u = job.usage
         engine_s = job.engine_s - u.hop_s  # building the prompt and running the model
         return p.RequestStats(
@@ -87,41 +96,79 @@ class _Last:
 
 
 class Requests:
-    """Turns requests into jobs; remembers each document's last completion."""
+    """Turns requests into jobs; remembers each document's last completion and prefetch."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._last: dict[tuple[str, str], _Last] = {}
+        self._ahead: dict[tuple[str, str], _Last] = {}  # the document's prefetch
         self.typed_through = 0
         self.completions = 0
+        self.prefetches = 0  # prefetch jobs started
+        self.prefetch_hits = 0  # requests answered from one
         self.min_confidence = 0.0  # judged completions below it come back empty (config)
 
     def complete(self, req: p.Complete, listener: Listener) -> Job | None:
         """Start or join a completion; None when it was answered at once."""
-        self.completions += 1
         key = (req.session, req.document)
         if req.judge:
             listener.judge = self.min_confidence
-        hit = self._typed(key, req)
+        if req.priority == "prefetch":
+            return self._prefetch(key, req, listener)
+        self.completions += 1
+        ahead = self._ahead.pop(key, None)
+        hit = _typed(ahead, req) if ahead else None
         if hit is not None:
-            job, typed = hit
-            self.typed_through += 1
-            listener.skip, listener.typed_through = len(typed), True
-            earlier = list(job.listeners)
-            if self.scheduler.attach(job, listener):
-                for old in earlier:  # earlier requests are superseded; the job runs on
-                    self.scheduler.detach(job, old, "superseded")
-                return job
-            listener.done(job)  # it had finished: the rest of its text is the answer
-            return None
-        work = Work(req.prefix, req.suffix, tuple((c.path, c.text) for c in req.extra),
-                    max_tokens=req.max_tokens, temperature=req.temperature,
-                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key,
-                    stop_loops=req.stop_loops, indent_floor=req.indent_floor)
+            assert ahead is not None
+            self.prefetch_hits += 1
+            listener.prefetched = True
+            self._last[key] = ahead  # typing on along it is typing through it
+        else:
+            hit = _typed(self._last.get(key), req)
+            if hit is not None and ahead is not None:
+                self._ahead[key] = ahead  # typing along the shown text: still ahead
+        if hit is not None:
+            return self._join(*hit, listener, PRIORITIES[req.priority])
+        work = self._work(key, req)
         job = self.run(work, listener, priority=req.priority, budget_ms=req.budget_ms,
                        key=key, multiline=req.multiline)
         self._last[key] = _Last(req.prefix, req.suffix, job)
         return job
+
+    def _prefetch(self, key: tuple[str, str], req: p.Complete,
+                  listener: Listener) -> Job | None:
+        """A prefetch: nothing to do where the document's last completion already has more
+        to say at that cursor (its rest will answer); else a job for later requests."""
+        last, ahead = self._last.get(key), self._ahead.get(key)
+        if last is None or last.job.live or _typed(last, req) is not None or \
+                (ahead is not None and _same_place(ahead, req) and ahead.job.cancelled is None
+                 and ahead.job.finish_reason not in ("error", "deadline")):
+            listener.done(_nothing(req))  # (or the same prefetch again: it stands)
+            return None
+        self.prefetches += 1
+        job = self.run(self._work(key, req), listener, priority=req.priority,
+                       budget_ms=req.budget_ms, key=key, multiline=req.multiline)
+        self._ahead[key] = _Last(req.prefix, req.suffix, job)
+        return job
+
+    def _join(self, job: Job, typed: str, listener: Listener, priority: int) -> Job | None:
+        """Answer `listener` from `job`, the first `typed` characters of its text typed."""
+        self.typed_through += 1
+        listener.skip, listener.typed_through = len(typed), True
+        earlier = list(job.listeners)
+        if self.scheduler.attach(job, listener, priority):
+            for old in earlier:  # earlier requests are superseded; the job runs on
+                self.scheduler.detach(job, old, "superseded")
+            return job
+        listener.done(job)  # it had finished: the rest of its text is the answer
+        return None
+
+    @staticmethod
+    def _work(key: tuple[str, str], req: p.Complete) -> Work:
+        return Work(req.prefix, req.suffix, tuple((c.path, c.text) for c in req.extra),
+                    max_tokens=req.max_tokens, temperature=req.temperature,
+                    stop=(*req.stop, *(() if req.multiline else ("\n",))), slot=key,
+                    stop_loops=req.stop_loops, indent_floor=req.indent_floor)
 
     def generate(self, req: p.Generate, listener: Listener) -> Job:
         work = Work(req.prompt, max_tokens=req.max_tokens, temperature=req.temperature,
@@ -137,28 +184,39 @@ class Requests:
                   deadline=_deadline(budget_ms), multiline=multiline)
         return self.scheduler.submit(job)
 
-    def _typed(self, key: tuple[str, str], req: p.Complete) -> tuple[Job, str] | None:
-        """The earlier completion this request types through, and the text typed.
 
-        The prefix must be the earlier prefix plus text that completion produced. Clients
-        send windows cut at line boundaries, so as the cursor moves a line may drop off the
-        window's start: the earlier prefix is compared by its end, not its start.
-        """
-        last = self._last.get(key)
-        if last is None or last.suffix != req.suffix:
-            return None
-        job = last.job
-        if job.cancelled or job.finish_reason not in (None, "stop", "length"):
-            return None  # an error or a deadline cut: its text is no promise of the rest
-        new, old, text = req.prefix, last.prefix, job.text
-        for t in range(min(len(text), len(new)), -1, -1):
-            head = new[:len(new) - t]
-            overlap = min(len(old), len(head), _OVERLAP)
-            same_before = (head[len(head) - overlap:] == old[len(old) - overlap:]) if overlap \
-                else head == old
-            if same_before and new[len(new) - t:] == text[:t]:
-                return job, text[:t]
+
+def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
+    """The earlier completion this request types through, and the text typed.
+
+    The prefix must be the earlier prefix plus text that completion produced. Clients send
+    windows cut at line boundaries, so as the cursor moves a line may drop off the window's
+    start: the earlier prefix is compared by its end, not its start. A finished completion
+    typed to its end, or to nothing but white space, has nothing left to say: no match.
+    """
+    if last is None or last.suffix != req.suffix:
         return None
+    job = last.job
+    if job.cancelled or job.finish_reason not in (None, "stop", "length"):
+        return None  # an error or a deadline cut: its text is no promise of the rest
+    new, old, text = req.prefix, last.prefix, job.text
+    for t in range(min(len(text), len(new)), -1, -1):
+        head = new[:len(new) - t]
+        overlap = min(len(old), len(head), _OVERLAP)
+        same_before = (head[len(head) - overlap:] == old[len(old) - overlap:]) if overlap \
+            else head == old
+        if same_before and new[len(new) - t:] == text[:t]:
+            return (job, text[:t]) if job.live or text[t:].strip() else None
+    return None
+
+
+def _same_place(last: _Last, req: p.Complete) -> bool:
+    return last.suffix == req.suffix and last.prefix[-_OVERLAP:] == req.prefix[-_OVERLAP:]
+
+
+def _nothing(req: p.Complete) -> Job:
+    """A finished job with no text: the answer to a request with nothing to do."""
+    return Job(work=Work(req.prefix, req.suffix), listeners=[], finish_reason="stop")
 
 
 def _deadline(budget_ms: int | None) -> float | None:

@@ -19,7 +19,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-PRIORITIES = {"editor": 0, "cli": 1, "batch": 2}
+PRIORITIES = {"editor": 0, "cli": 1, "batch": 2, "prefetch": 3}
+PREFETCH = PRIORITIES["prefetch"]
 
 
 class Listener(Protocol):
@@ -140,6 +141,7 @@ class Counters:
     batched_jobs: int = 0  # job steps taken in those
     prefilled_tokens: int = 0  # prompt tokens run by prefills, superseded jobs' included
     prefix_reused_tokens: int = 0  # prompt tokens those prefills found in the KV cache
+    prefetch_steps: int = 0  # steps of jobs still at prefetch priority (no one asked yet)
 
 
 class Scheduler:
@@ -175,13 +177,18 @@ class Scheduler:
             if job.live:
                 self._cancel(job, reason)
 
-    def attach(self, job: Job, listener: Listener) -> bool:
+    def attach(self, job: Job, listener: Listener, priority: int | None = None) -> bool:
         """Add a listener to a live job (typing through); False if it has already ended.
-        The text the job has beyond the listener's `skip` is sent to it at once."""
+        The text the job has beyond the listener's `skip` is sent to it at once. The job
+        runs on at `priority` where that is more urgent (a prefetch someone now waits for)."""
         with self._cv:
             if not job.live:
                 return False
             job.listeners.append(listener)
+            if priority is not None and priority < job.priority:
+                job.priority = priority
+                self._cv.notify_all()
+                self.backend.wake()
             if len(job.text) > listener.skip:
                 listener.text(job.text[listener.skip:])
             return True
@@ -280,6 +287,8 @@ class Scheduler:
         job.engine_s += elapsed
         job.steps += 1
         self.counters.steps += 1
+        if job.priority == PREFETCH:
+            self.counters.prefetch_steps += 1
         u = job.usage
         if not job.prompt_counted and u.prompt_tokens:  # known after the prefill
             job.prompt_counted = True

@@ -315,7 +315,10 @@ class Server:
                 "batched_jobs": c.batched_jobs, "prefilled_tokens": c.prefilled_tokens,
                 "prefix_reused_tokens": c.prefix_reused_tokens,
                 "completions": self.requests.completions,
-                "typed_through": self.requests.typed_through}
+                "typed_through": self.requests.typed_through,
+                "prefetches": self.requests.prefetches,
+                "prefetch_hits": self.requests.prefetch_hits,
+                "prefetch_steps": c.prefetch_steps}
 
     def status(self) -> dict[str, Any]:
         reloader = self.reloader

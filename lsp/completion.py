@@ -5,6 +5,7 @@ Plain code, testable without an LSP client; `lsp.server` wires it to the protoco
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import msgspec
 from lsprotocol import types
 from pygls.workspace import Workspace
 
@@ -37,6 +39,7 @@ class Settings:
     prefix_chars: int = 8000
     suffix_chars: int = 2000
     model: str | None = None  # for a daemon this client starts
+    prefetch: bool = True  # ask for the suggestion after a shown one while it is shown
 
     def update(self, options: Any) -> None:
         """Apply the known keys of a client's options, ignoring what is not ours."""
@@ -52,6 +55,8 @@ class Settings:
             self.enable = {str(k): bool(v) for k, v in enable.items()}
         if isinstance(options.get("model"), str):
             self.model = options["model"]
+        if isinstance(options.get("prefetch"), bool):
+            self.prefetch = options["prefetch"]
 
     def enabled(self, language: str) -> bool:
         return self.enable.get(language, self.enable.get("*", True))
@@ -76,6 +81,7 @@ class Completer:
         self.overhead_ms: deque[float] = deque(maxlen=5000)  # per answered request
         self.daemon_ms: deque[float] = deque(maxlen=5000)  # its wait for the daemon
         self.last_shown = (0, "")  # the last suggestion's length and language
+        self.prefetching: set[asyncio.Task[None]] = set()
 
     def note(self, uri: str, text: str, line: int | None) -> None:
         if "\x00" not in text[:BINARY_SNIFF]:
@@ -121,7 +127,24 @@ class Completer:
         if not shown:
             return None
         await self.shown(shown, req.language)
+        if self.settings.prefetch:
+            self._prefetch(doc.uri, doc.language_id or "", text[:offset] + shown,
+                           text[offset:])
         return shown, at
+
+    def _prefetch(self, uri: str, language: str, before: str, after: str) -> None:
+        """Ask the daemon, at the lowest priority, for what this server would ask for at
+        the end of the suggestion once accepted (daemon/requests.py): the request after an
+        accept is then answered from it. Its own answer is not needed: not waited for."""
+        req, _, _ = self._request(uri, language, before + after, len(before))
+        task = asyncio.create_task(self._ignore(msgspec.structs.replace(req,
+                                                                        priority="prefetch")))
+        self.prefetching.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self.prefetching.discard)
+
+    async def _ignore(self, req: p.Complete) -> None:
+        with contextlib.suppress(RequestFailed, DaemonUnavailable):
+            await self.client.run(req)
 
     def _request(self, uri: str, language: str, text: str,
                  offset: int) -> tuple[p.Complete, str, str]:

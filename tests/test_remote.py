@@ -139,6 +139,21 @@ async def test_typing_through_a_remote_answer_asks_the_peer_nothing(daemon: Serv
     await client.close()
 
 
+async def test_the_request_after_an_accept_is_answered_from_the_remote_prefetch(
+        daemon: Server, peer: LlamaServer) -> None:
+    client = Client(daemon.socket_path, autostart=False)
+    shown = await client.run(fill(PY, max_tokens=8))
+    ahead = await client.run(msgspec.structs.replace(fill(PY + shown.text, max_tokens=8),
+                                                     priority="prefetch"))
+    predicted = await metric(peer, "tokens_predicted_total")
+    accepted = await client.run(fill(PY + shown.text, max_tokens=8))
+    assert accepted.stats.prefetched and accepted.text == ahead.text
+    assert await metric(peer, "tokens_predicted_total") == predicted  # nothing asked
+    counts = (await client.status())["counts"]
+    assert (counts["prefetches"], counts["prefetch_hits"]) == (1, 1)
+    await client.close()
+
+
 async def test_a_deadline_returns_the_text_so_far(daemon: Server) -> None:
     client = Client(daemon.socket_path, autostart=False)
     done = await client.run(fill("import os\n", max_tokens=900, multiline=True, budget_ms=30))

@@ -35,7 +35,7 @@ import aiohttp
 
 from daemon.backends.prompts import PromptBuilder, RemotePrompt, prompt_builder
 from daemon.config import Settings
-from daemon.scheduler import Job, Scheduler, StepReport, Usage
+from daemon.scheduler import PREFETCH, Job, Scheduler, StepReport, Usage
 from engine.decode.indent import IndentFloor
 from engine.decode.quality import REPETITION, LoopWatch
 
@@ -149,10 +149,14 @@ class OpenAIBackend:
                 "streams": len(self._tasks), "connection_retries": self.retries}
 
     def _dispatch(self) -> None:
-        """Start the most urgent queued jobs while streams are free."""
+        """Start the most urgent queued jobs while streams are free; a prefetch only while
+        no other job is live (it would take a server slot from one)."""
         assert self._scheduler is not None and self._loop is not None
-        for job in self._scheduler.live():
+        live = self._scheduler.live()
+        for job in live:
             if len(self._tasks) >= self.max_streams:
+                return
+            if job.priority == PREFETCH and live[0].priority < PREFETCH:
                 return
             if job not in self._tasks:
                 task = self._loop.create_task(self._run(job))
