@@ -151,20 +151,52 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
         print(f"\rbench: round {done}/{total}", end="" if done < total else "\n",
               file=sys.stderr, flush=True)
 
-    serve_args = []
-    if args.backend == "openai":  # the daemon builds the prompts with --model's tokenizer
-        if not args.url:
-            raise CliError("--backend openai needs --url (the server's API)")
-        serve_args = ["--backend", "openai", "--url", args.url,
-                      "--tokenizer", args.tokenizer or str(model_dir(args))]
-        serve_args += ["--served-model", args.served_model] if args.served_model else []
-        serve_args += ["--fim-template", args.fim_template] if args.fim_template else []
     try:
         result = asyncio.run(bench_pipeline(model_dir(args), files, clients=args.clients,
                                             keystrokes=args.keystrokes,
                                             interval_ms=args.interval_ms, seed=args.seed,
-                                            rounds=args.rounds, serve_args=serve_args,
+                                            rounds=args.rounds, serve_args=_serve_args(args),
                                             progress=progress))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    """The bench daemon's backend: the local engine, or (`--backend openai`) the server at
+    --url, with prompts built by --model's tokenizer."""
+    if args.backend != "openai":
+        return []
+    if not args.url:
+        raise CliError("--backend openai needs --url (the server's API)")
+    out = ["--backend", "openai", "--url", args.url,
+           "--tokenizer", args.tokenizer or str(model_dir(args))]
+    out += ["--served-model", args.served_model] if args.served_model else []
+    return out + (["--fim-template", args.fim_template] if args.fim_template else [])
+
+
+def cmd_bench_typist(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from clients.bench.typist import bench_typist, format_report
+    from training.corpus import heldout_stdlib_files
+
+    files = [Path(f) for f in args.files] if args.files else heldout_stdlib_files()[:4]
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise CliError(f"file {missing[0]} does not exist")
+    def progress(what: str) -> None:
+        print(f"bench: writing {what}", file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(bench_typist(model_dir(args), files, cps=args.cps,
+                                          chars=args.chars, start=args.start,
+                                          read_ms=args.read_ms, think_ms=args.think_ms,
+                                          budget_ms=args.budget_ms,
+                                          serve_args=_serve_args(args), progress=progress))
     except ValueError as e:
         raise CliError(str(e)) from None
     print(format_report(result))
@@ -422,6 +454,31 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--fim-template", choices=FIM_TEMPLATES)
     pipe.add_argument("--json", help="write the results to this file")
     pipe.set_defaults(func=cmd_bench_pipeline)
+    typ = bench_sub.add_parser("typist", help="a person writing code through the language "
+                               "server, with and without prefetch")
+    typ.add_argument("--model", help="checkpoint directory (default: the bundled model)")
+    typ.add_argument("--files", nargs="+", help="the files to write (default: four held-out "
+                     "standard-library modules)")
+    typ.add_argument("--cps", type=float, default=8.0, help="typing speed, characters/s")
+    typ.add_argument("--chars", type=int, default=400,
+                     help="characters written of each file (to the end of that line)")
+    typ.add_argument("--start", type=float, default=0.5,
+                     help="where in each file to start, as a fraction (0: an empty buffer)")
+    typ.add_argument("--read-ms", type=float, default=2000.0,
+                     help="how long the person waits for the suggestion after an accept")
+    typ.add_argument("--think-ms", type=float, default=300.0,
+                     help="how long the person reads a suggestion before taking it")
+    typ.add_argument("--budget-ms", type=int, default=2000,
+                     help="the language server's time budget per suggestion")
+    typ.add_argument("--backend", choices=BACKENDS, default="local",
+                     help="openai: the daemon in front of the server at --url")
+    typ.add_argument("--url", help="the remote server's API, e.g. http://127.0.0.1:8080/v1")
+    typ.add_argument("--tokenizer", help="the served model's tokenizer directory "
+                     "(default: --model's)")
+    typ.add_argument("--served-model", help="the model name the server serves")
+    typ.add_argument("--fim-template", choices=FIM_TEMPLATES)
+    typ.add_argument("--json", help="write the results to this file")
+    typ.set_defaults(func=cmd_bench_typist)
     lspb = bench_sub.add_parser("lsp", help="the language server's own time per completion")
     lspb.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     lspb.add_argument("--file", help="the file to type (default: a held-out stdlib module)")

@@ -95,23 +95,48 @@ def train_docstrings(model: Transformer, tok: Tokenizer, doc: str, *, steps: int
     return fit(model, lambda: data[torch.randint(len(data), (16,), generator=gen)], steps, lr)
 
 
+def text_examples(tok: Tokenizer, text: str, eos: int) -> list[list[int]]:
+    """The editor's prompts at every character of `text` written from an empty buffer (the
+    engine's own recipe), each followed by the rest of `text` and the end token, padded with
+    end tokens to one length."""
+    rows = []
+    for i in range(len(text)):
+        prompt = recipe.fill_in(tok, text[:i], "", budget=4096)
+        rows.append(prompt.ids + tok.encode_text(prompt.forced + text[i:]) + [eos])
+    width = max(map(len, rows))
+    return [row + [eos] * (width - len(row)) for row in rows]
+
+
+def train_text(model: Transformer, tok: Tokenizer, text: str, eos: int, *, steps: int,
+               seed: int = 0, lr: float = 3e-3) -> list[float]:
+    """Teach the model to complete `text` from any point of it: a model whose suggestions
+    are known, for tests of what a person writing `text` is offered (`ahead bench typist`)."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.tensor(text_examples(tok, text, eos))
+    return fit(model, lambda: data[torch.randint(len(data), (16,), generator=gen)], steps, lr)
+
+
 def write_checkpoint(path: str | Path, preset: str = "tiny-qwen3", *, seed: int = 0,
                      train_steps: int = 0, mtp_naming: str = "deepseek",
                      vocab_size: int = 512, docstring: str | None = None,
-                     **overrides: object) -> ModelConfig:
+                     text: str | None = None, **overrides: object) -> ModelConfig:
     """Write a model directory; `train_steps` > 0 trains it on the synthetic chain first, or,
-    given `docstring`, to write that as every function's docstring."""
+    given `docstring`, to write that as every function's docstring, or, given `text`, to
+    complete `text` from any point of it."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     path = Path(path)
     tok = train_byte_level_bpe(stdlib_texts(), vocab_size)
     save_tokenizer_dir(tok, path)
     eos = tok.token_to_id("<|endoftext|>")
+    assert eos is not None  # train_byte_level_bpe adds it
     cfg = PRESETS[preset].with_(vocab_size=tok.get_vocab_size(), eos_token_ids=(eos,),
                                 mtp_naming=mtp_naming, **overrides)
     torch.manual_seed(seed)
     model = Transformer(cfg)
-    if train_steps and docstring is not None:
+    if train_steps and text is not None:
+        train_text(model, Tokenizer.from_dir(path), text, eos, steps=train_steps, seed=seed)
+    elif train_steps and docstring is not None:
         train_docstrings(model, Tokenizer.from_dir(path), docstring, steps=train_steps,
                          seed=seed)
     elif train_steps:
