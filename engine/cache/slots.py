@@ -26,7 +26,7 @@ from torch import Tensor
 
 from engine.cache.kv import KEY_BLOCK, KVCache
 from engine.cache.state import StateCache, commit
-from engine.model.config import FULL
+from engine.model.config import LINEAR
 from engine.model.layers import rope_tables
 from engine.model.transformer import Transformer
 
@@ -75,8 +75,13 @@ class Caches:
                               cfg.linear_v_head_dim, self.state_index, self.dtype,
                               self.checkpoints)
 
-        self.trunk: list[KVCache | StateCache] = [layers(1)[0] if kind == FULL else state()
-                                                  for kind in cfg.layer_types]
+        self.trunk: list[KVCache | StateCache] = []
+        for i, kind in enumerate(cfg.layer_types):
+            own = cfg.for_kind(kind)  # Gemma 4's layer kinds differ in heads and head size
+            source = cfg.kv_sources[i]  # Gemma 4's KV-shared layers: an earlier one's cache
+            self.trunk.append(self.trunk[source] if source != i else state() if kind == LINEAR
+                              else KVCache(num_slots, own.num_kv_heads, self.length,
+                                           own.head_dim, self.device, self.dtype))
         self.modules = [layers(cfg.mtp_layers_per_module) for _ in range(model.num_mtp)]
         self.hidden = torch.zeros(num_slots, self.length, cfg.hidden_size, device=self.device,
                                   dtype=self.dtype)  # trunk output h_t, [S, T, H]
@@ -111,7 +116,8 @@ class Caches:
         return sum(t.numel() * t.element_size() for t in tensors) + self.state_nbytes()
 
     def kv_caches(self) -> list[KVCache]:
-        return [c for c in self.trunk if isinstance(c, KVCache)]
+        """The trunk's KV caches, each once (KV-shared layers hold an earlier layer's)."""
+        return list({id(c): c for c in self.trunk if isinstance(c, KVCache)}.values())
 
     def states(self) -> list[StateCache]:
         return [c for c in self.trunk if isinstance(c, StateCache)]

@@ -100,13 +100,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, batch: CacheBatch) -> Tensor:
     return masked_attention(q, k, v, batch.mask)
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(D), where mask) v, for q [B, H, S, D] against k, v [B, Hkv, T, D]
-    (each group of H / Hkv query heads shares a key head) and mask [B, 1, S, T]."""
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                     scale: float | None = None) -> Tensor:
+    """softmax(q k^T * scale, where mask) v, for q [B, H, S, D] against k, v [B, Hkv, T, D]
+    (each group of H / Hkv query heads shares a key head) and mask [B, 1, S, T]; the scale
+    1 / sqrt(D) unless given."""
     bsz, hq, seqlen, hd = q.shape
     hkv, group = k.shape[1], hq // k.shape[1]
     qg = q.reshape(bsz, hkv, group * seqlen, hd)  # [B, Hkv, G*S, D]
-    scores = (qg @ k.transpose(-1, -2)).view(bsz, hkv, group, seqlen, -1) * hd ** -0.5
+    scores = (qg @ k.transpose(-1, -2)).view(bsz, hkv, group, seqlen, -1)
+    if scale != 1.0:
+        scores = scores * (hd ** -0.5 if scale is None else scale)
     if scores.dtype != torch.float32:  # (a conversion that changes nothing still costs a call)
         scores = scores.float()
     scores = torch.where(mask[:, :, None], scores, float("-inf"))  # [B, Hkv, G, S, T]

@@ -2,7 +2,12 @@
 
 Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` wrapper's `text_config`) is a hybrid:
 `layer_types` mixes full attention (gated, partial rotary) with Gated DeltaNet layers
-(`linear_*`), and its norms scale by (1 + w)."""
+(`linear_*`), and its norms scale by (1 + w).
+
+Gemma 4 (`gemma4_text`, or the multimodal `gemma4` wrapper's `text_config`) mixes
+sliding-window layers with full-attention layers that have their own head size, kv heads and
+rope (`for_kind`); its last `num_kv_shared_layers` layers read an earlier layer's cache
+(`kv_sources`). Its mixture-of-experts variant is refused."""
 
 from __future__ import annotations
 
@@ -24,11 +29,14 @@ _FAMILIES: dict[str, dict[str, bool | None]] = {
     "mimo": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": None, "qk_norm": True},
     "qwen3_5": {"qkv_bias": None, "qk_norm": True},
+    "gemma4": {"qkv_bias": None, "qk_norm": True},
 }
-FULL, LINEAR = "full_attention", "linear_attention"  # the layer kinds, as HF names them
+# the layer kinds, as HF names them
+FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # rope type -> the settings it cannot do without
 _ROPE_REQUIRES: dict[str, tuple[str, ...]] = {
-    "default": (), "linear": ("factor",), "yarn": ("factor",),
+    "default": (), "linear": ("factor",), "yarn": ("factor",), "proportional": (),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 MTP_NAMINGS = ("deepseek", "mimo", "mtp")
@@ -68,6 +76,19 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # rotate the first head_dim * this dims of q and k
     attn_output_gate: bool = False  # q_proj also makes a sigmoid gate on the output
     norm_offset: bool = False  # RMSNorms scale by (1 + w), w starting at 0
+    hidden_act: str = "silu"  # the MLP's gate: silu, or gelu's tanh form (Gemma)
+    # Gemma 4. rope_theta, rope_scaling and partial_rotary_factor are its full layers'; its
+    # sliding layers rotate all head_dim dims at local_rope_theta. 0: as the other layers.
+    sliding_window: int = 0  # keys a sliding layer's query sees, its own included
+    local_rope_theta: float = 10000.0
+    global_head_dim: int = 0  # full layers' head size
+    num_global_kv_heads: int = 0  # full layers' kv heads
+    attention_k_eq_v: bool = False  # full layers' keys double as their values
+    num_kv_shared_layers: int = 0  # the last layers, reading an earlier layer's cache
+    hidden_size_per_layer_input: int = 0  # per-layer input embeddings (E2B/E4B)
+    vocab_size_per_layer_input: int = 0
+    double_wide_mlp: bool = False  # KV-shared layers' MLPs twice as wide
+    final_logit_softcapping: float = 0.0  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -96,10 +117,36 @@ class ModelConfig:
             raise ConfigError(f"the {self.mtp_naming!r} naming holds one block per MTP module; "
                               "several need the `mtp.*` naming")
         self._check_rope()
+        self._check_gemma4()
 
     @property
     def rotary_dim(self) -> int:
+        """The dims rope tables cover (proportional rope: all of them, the unrotated at
+        frequency 0)."""
+        if (self.rope_scaling or {}).get("rope_type") == "proportional":
+            return self.head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def for_kind(self, kind: str) -> ModelConfig:
+        """The config as one attention layer of this kind sees it (Gemma 4's sliding and
+        full layers differ in head size, kv heads and rope); others see it as it is."""
+        if self.family != "gemma4":
+            return self
+        if kind == SLIDING:
+            return replace(self, rope_theta=self.local_rope_theta, rope_scaling=None,
+                           partial_rotary_factor=1.0, global_head_dim=0, num_global_kv_heads=0)
+        return replace(self, head_dim=self.global_head_dim or self.head_dim,
+                       num_kv_heads=self.num_global_kv_heads or self.num_kv_heads,
+                       global_head_dim=0, num_global_kv_heads=0)
+
+    @property
+    def kv_sources(self) -> tuple[int, ...]:
+        """Per layer, the layer whose KV cache it attends over: itself, or for the last
+        num_kv_shared_layers the last earlier unshared layer of its kind."""
+        first = self.num_layers - self.num_kv_shared_layers
+        kinds = self.layer_types[:first]
+        return tuple(i if i < first else first - 1 - kinds[::-1].index(kind)
+                     for i, kind in enumerate(self.layer_types))
 
     @property
     def hybrid(self) -> bool:
@@ -110,10 +157,13 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
                               f"{self.num_layers} layers")
-        unknown = set(self.layer_types) - {FULL, LINEAR}
+        unknown = set(self.layer_types) - {FULL, LINEAR, SLIDING}
         if unknown:
             raise ConfigError(f"unknown layer types {sorted(unknown)}; supported: {FULL}, "
-                              f"{LINEAR}")
+                              f"{LINEAR}, {SLIDING}")
+        if SLIDING in self.layer_types and self.sliding_window <= 0:
+            raise ConfigError(f"sliding-window layers need a positive sliding_window, got "
+                              f"{self.sliding_window}")
         if not self.hybrid:
             return
         dims = ("linear_num_k_heads", "linear_num_v_heads", "linear_k_head_dim",
@@ -125,6 +175,28 @@ class ModelConfig:
         if self.linear_num_v_heads % self.linear_num_k_heads:
             raise ConfigError(f"linear_num_value_heads ({self.linear_num_v_heads}) must be a "
                               f"multiple of linear_num_key_heads ({self.linear_num_k_heads})")
+
+    def _check_gemma4(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden activation {self.hidden_act!r} is not supported; "
+                              f"supported: {', '.join(ACTIVATIONS)}")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise ConfigError(f"num_kv_shared_layers must be in [0, {self.num_layers}), got "
+                              f"{self.num_kv_shared_layers}")
+        first = self.num_layers - self.num_kv_shared_layers
+        lacking = set(self.layer_types[first:]) - set(self.layer_types[:first])
+        if lacking:
+            raise ConfigError(f"KV-shared layers of kind {sorted(lacking)} have no earlier "
+                              "layer of their kind to share a cache with")
+        if self.hidden_size_per_layer_input < 0 or (self.hidden_size_per_layer_input and
+                                                    self.vocab_size_per_layer_input <= 0):
+            raise ConfigError("per-layer inputs need a positive hidden_size_per_layer_input "
+                              "and vocab_size_per_layer_input")
+        if self.num_global_kv_heads < 0 or self.num_heads % (self.num_global_kv_heads or 1):
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_global_key_value_heads ({self.num_global_kv_heads})")
+        if self.final_logit_softcapping < 0:
+            raise ConfigError("final_logit_softcapping must be positive (0: none)")
 
     def _check_rope(self) -> None:
         scaling = self.rope_scaling or {}
@@ -146,7 +218,7 @@ class ModelConfig:
         if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise ConfigError(f"model_type {model_type!r} is not supported; supported: "
                               f"{', '.join(sorted(_FAMILIES))}")
-        if raw.get("hidden_act", "silu") != "silu":
+        if raw.get("hidden_act", "silu") != "silu" and model_type != "gemma4":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("mtp_use_dedicated_embeddings"):
             raise ConfigError("MTP modules with their own embeddings are not supported")
@@ -162,7 +234,7 @@ class ModelConfig:
             heads = int(raw["num_attention_heads"])
             bias = bool(raw.get("attention_bias", False))
             eos = raw.get("eos_token_id")
-            return cls(
+            fields: dict[str, Any] = dict(
                 family=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
@@ -186,8 +258,10 @@ class ModelConfig:
                 mtp_layers_per_module=int(raw.get("mtp_num_hidden_layers") or 1),
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                 partial_rotary_factor=partial,
-                **(_hybrid(raw) if model_type == "qwen3_5" else {}),
             )
+            fields.update(_hybrid(raw) if model_type == "qwen3_5" else
+                          _gemma4(raw) if model_type == "gemma4" else {})
+            return cls(**fields)
         except KeyError as e:
             raise ConfigError(f"missing required key {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
@@ -246,11 +320,31 @@ class ModelConfig:
                        rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
                                         "partial_rotary_factor": self.partial_rotary_factor})
             del raw["rope_theta"], raw["rope_scaling"]
+        if self.family == "gemma4":
+            raw.update(self._gemma4_hf())
+            del raw["rope_theta"], raw["rope_scaling"], raw["hidden_act"], raw["mlp_bias"]
         if self.num_mtp_modules and self.mtp_naming == "mtp":
             raw["mtp_num_hidden_layers"] = self.mtp_layers_per_module
         elif self.num_mtp_modules:
             raw["num_nextn_predict_layers"] = self.num_mtp_modules
         return raw
+
+    def _gemma4_hf(self) -> dict[str, Any]:
+        full = {"rope_type": "default", **(self.rope_scaling or {}),
+                "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
+        return {"model_type": "gemma4_text", "layer_types": list(self.layer_types),
+                "hidden_activation": self.hidden_act, "sliding_window": self.sliding_window,
+                "rope_parameters": {SLIDING: {"rope_type": "default",
+                                              "rope_theta": self.local_rope_theta},
+                                    FULL: full},
+                "global_head_dim": self.global_head_dim or self.head_dim,
+                "num_global_key_value_heads": self.num_global_kv_heads or None,
+                "attention_k_eq_v": self.attention_k_eq_v,
+                "num_kv_shared_layers": self.num_kv_shared_layers,
+                "hidden_size_per_layer_input": self.hidden_size_per_layer_input,
+                "vocab_size_per_layer_input": self.vocab_size_per_layer_input,
+                "use_double_wide_mlp": self.double_wide_mlp,
+                "final_logit_softcapping": self.final_logit_softcapping or None}
 
     def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
@@ -261,19 +355,23 @@ class ModelConfig:
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "mimo": "MiMoForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_5": "Qwen3_5ForCausalLM"}
+         "qwen3_5": "Qwen3_5ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
 
 
 def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config: the multimodal Qwen3.5 wrapper keeps it in `text_config`
-    (its head's tying at the top level); the text config names itself `qwen3_5_text`."""
-    if raw.get("model_type") == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+    """The text model's config: the multimodal Qwen3.5 and Gemma 4 wrappers keep it in
+    `text_config` (the head's tying at the top level); the text configs name themselves
+    `qwen3_5_text` and `gemma4_text`. Gemma 4's keys default as transformers' do."""
+    if raw.get("model_type") in ("qwen3_5", "gemma4") and isinstance(raw.get("text_config"),
+                                                                     dict):
         text = dict(raw["text_config"])
         if "tie_word_embeddings" in raw:
             text["tie_word_embeddings"] = raw["tie_word_embeddings"]
         raw = text
     if raw.get("model_type") == "qwen3_5_text":
         raw = {**raw, "model_type": "qwen3_5"}
+    if raw.get("model_type") in ("gemma4", "gemma4_text"):  # the text config's defaults
+        raw = {**_GEMMA4_DEFAULTS, **raw, "model_type": "gemma4"}
     return raw
 
 
@@ -292,6 +390,75 @@ def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
             "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
             "attn_output_gate": bool(raw.get("attn_output_gate", True)),
             "norm_offset": True}
+
+
+# What transformers' Gemma4TextConfig assumes of keys a config.json leaves out.
+_GEMMA4_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+    "max_position_embeddings": 131072, "sliding_window": 512, "eos_token_id": 1,
+    "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+    "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6}}}
+
+
+def _gemma4(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's settings. Its full layers' head size and kv heads come from
+    `global_head_dim` and `num_global_key_value_heads` (the latter only with
+    attention_k_eq_v), or from `per_layer_config` as newer transformers write it."""
+    missing = [k for k in ("enable_moe_block", "num_experts", "top_k_experts") if raw.get(k)]
+    if missing:
+        raise ConfigError(f"Gemma 4's mixture-of-experts blocks ({', '.join(missing)}) are not "
+                          "supported: ahead runs the dense Gemma 4 text models (it has no "
+                          "router or experts)")
+    if raw.get("use_bidirectional_attention") == "all":
+        raise ConfigError("bidirectional attention (use_bidirectional_attention 'all') is "
+                          "not supported")
+    layers = int(raw["num_hidden_layers"])
+    kinds = list(raw.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING
+                                            for i in range(layers)])
+    kinds[-1] = FULL  # as transformers forces it
+    rope = raw["rope_parameters"]
+    local, full = rope.get(SLIDING) or {}, rope.get(FULL) or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"sliding layers' rope {local['rope_type']!r} is not supported")
+    scaling = {k: v for k, v in full.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", "default") == "default":
+        scaling = {}
+    k_eq_v = bool(raw.get("attention_k_eq_v", False))
+    head_dim, kv_heads = _gemma4_full_layers(raw, kinds, k_eq_v)
+    return {"layer_types": tuple(kinds), "hidden_act": raw["hidden_activation"],
+            "sliding_window": int(raw["sliding_window"]),
+            "local_rope_theta": float(local.get("rope_theta") or 10000.0),
+            "rope_theta": float(full.get("rope_theta") or 10000.0),
+            "rope_scaling": scaling or None,
+            "partial_rotary_factor": float(full.get("partial_rotary_factor") or 1.0),
+            "global_head_dim": head_dim, "num_global_kv_heads": kv_heads,
+            "attention_k_eq_v": k_eq_v,
+            "num_kv_shared_layers": int(raw.get("num_kv_shared_layers") or 0),
+            "hidden_size_per_layer_input": int(raw["hidden_size_per_layer_input"] or 0),
+            "vocab_size_per_layer_input": int(raw["vocab_size_per_layer_input"] or 0),
+            "double_wide_mlp": bool(raw.get("use_double_wide_mlp", False)),
+            "final_logit_softcapping": float(raw.get("final_logit_softcapping") or 0.0)}
+
+
+def _gemma4_full_layers(raw: dict[str, Any], kinds: list[str],
+                        k_eq_v: bool) -> tuple[int, int]:
+    """The full layers' (head_dim, kv heads; 0: num_key_value_heads)."""
+    per_layer = raw.get("per_layer_config")
+    if per_layer is None:
+        kv = raw.get("num_global_key_value_heads") if k_eq_v else None
+        return int(raw.get("global_head_dim") or 512), int(kv or 0)
+    overrides = {int(i): dict(v) for i, v in per_layer.items()}
+    unknown = {k for v in overrides.values() for k in v} - {"head_dim", "num_key_value_heads"}
+    if unknown:
+        raise ConfigError(f"per_layer_config overrides {sorted(unknown)}: not supported")
+    full = [overrides.get(i, {}) for i, kind in enumerate(kinds) if kind == FULL]
+    if any(overrides.get(i) for i, kind in enumerate(kinds) if kind != FULL) or \
+            any(o != full[0] for o in full):
+        raise ConfigError("per_layer_config must give every full-attention layer the same "
+                          "settings and sliding layers none")
+    return int(full[0].get("head_dim") or 0), int(full[0].get("num_key_value_heads") or 0)
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:

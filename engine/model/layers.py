@@ -12,32 +12,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.model.config import ModelConfig
+from engine.model.config import FULL, SLIDING, ModelConfig
 
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w; with `offset` (Qwen3.5) * (1 + w), w starting at 0."""
 
-    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False, upcast: bool = False) -> None:
         super().__init__()
         self.eps, self.offset = eps, offset
+        self.upcast = offset or upcast  # scale in fp32, then round
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and not self.offset:  # one kernel, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32; scale in the input dtype (Llama, Qwen2/3) or in fp32 (Qwen3.5):
-        # the orders HF uses, so bf16 matches too.
+        # Normalise in fp32; scale in the input dtype (Llama, Qwen2/3) or in fp32 (Qwen3.5,
+        # Gemma 4): the orders HF uses, so bf16 matches too.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        if self.upcast:
+            return (xf * (self.weight.float() + float(self.offset))).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
 def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
     """The config's RMSNorm over `dim` (default: the hidden size)."""
-    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset,
+                   upcast=cfg.family == "gemma4")
 
 
 class Dense:
@@ -87,11 +89,14 @@ def same_path(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 class MLP(nn.Module):
     FUSED = ("gate_proj", "up_proj")  # one matmul once fused
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, width: int = 0) -> None:
+        """`width`: the intermediate size, if not the config's."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = width or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.fused: Dense | None = None
 
     def fuse(self) -> None:
@@ -100,9 +105,14 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(activation(self.gate_proj(x), self.gelu) * self.up_proj(x))
         gate, up = self.fused(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(activation(gate, self.gelu) * up)
+
+
+def activation(x: Tensor, gelu: bool) -> Tensor:
+    """The gate's nonlinearity: silu, or gelu in its tanh form (Gemma)."""
+    return F.gelu(x, approximate="tanh") if gelu else F.silu(x)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -118,7 +128,19 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         inv_freq = _llama3_freq(inv_freq, scaling)
     elif kind == "yarn":
         inv_freq = _yarn_freq(inv_freq, scaling, cfg)
+    elif kind == "proportional":
+        inv_freq = _proportional_freq(cfg, float(scaling.get("factor") or 1.0))
     return inv_freq.float()
+
+
+def _proportional_freq(cfg: ModelConfig, factor: float) -> Tensor:
+    """Gemma 4's full layers: the first partial_rotary_factor of each half of the head
+    rotates, at the frequencies of a head_dim-wide rope; the rest at frequency 0 (cos 1,
+    sin 0: passed through)."""
+    angles = int(cfg.partial_rotary_factor * cfg.head_dim // 2)
+    exps = torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / cfg.head_dim
+    rotated = 1.0 / (cfg.rope_theta ** exps)
+    return torch.cat([rotated, torch.zeros(cfg.head_dim // 2 - angles)]) / factor
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
@@ -174,7 +196,17 @@ def _yarn_freq(inv_freq: Tensor, s: dict, cfg: ModelConfig) -> Tensor:
 def rope_tables(cfg: ModelConfig, max_seq_len: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin [T, 1, R] (R the rotary dims; the 1 broadcasts over heads) in the half-split
-    layout HF uses, with sin's first half negated: `apply_rope`'s rotate-half is then a roll."""
+    layout HF uses, with sin's first half negated: `apply_rope`'s rotate-half is then a roll.
+    Gemma 4's are its sliding layers' tables then its full layers' along R (`rope_part`)."""
+    if cfg.family == "gemma4":
+        parts = [_rope_table(cfg.for_kind(kind), max_seq_len, device, dtype)
+                 for kind in (SLIDING, FULL)]
+        return torch.cat([c for c, _ in parts], -1), torch.cat([s for _, s in parts], -1)
+    return _rope_table(cfg, max_seq_len, device, dtype)
+
+
+def _rope_table(cfg: ModelConfig, max_seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     t = torch.arange(max_seq_len, dtype=torch.float32)
     freqs = torch.outer(t, rope_inv_freq(cfg))  # [T, R/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, R]
@@ -182,6 +214,13 @@ def rope_tables(cfg: ModelConfig, max_seq_len: int, device: torch.device,
     cos, sin = emb.cos() * scale, emb.sin() * scale
     sin[:, :sin.shape[1] // 2] *= -1
     return cos[:, None].to(device, dtype), sin[:, None].to(device, dtype)
+
+
+def rope_part(cfg: ModelConfig, kind: str, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A Gemma 4 layer kind's own tables out of `rope_tables`' packed ones."""
+    start = 0 if kind == SLIDING else cfg.for_kind(SLIDING).rotary_dim
+    width = cfg.for_kind(kind).rotary_dim
+    return rope[0][..., start:start + width], rope[1][..., start:start + width]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -18,6 +19,7 @@ from engine.cache.state import StateCache
 from engine.model.attention import Attention
 from engine.model.block import DecoderBlock, run_block
 from engine.model.config import ModelConfig
+from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
 from engine.model.layers import norm, rope_tables
 from engine.model.mtp import MTPModule, Rope
 
@@ -34,7 +36,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = TrunkModel(cfg)
+        self.model = Gemma4Model(cfg) if cfg.family == "gemma4" else TrunkModel(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
@@ -56,27 +58,33 @@ class Transformer(nn.Module):
 
     def head(self, h: Tensor) -> Tensor:
         if self.head_weight is not None:  # quantized (engine/model/quant.py)
-            return self.head_weight(h)
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, w)
+            logits = self.head_weight(h)
+        else:
+            w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings \
+                else self.lm_head.weight
+            logits = F.linear(h, w)
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def fuse(self) -> None:
         """Each block's Q, K, V and its gate and up projections as one matmul each, for
         decoding (the parameters stay as they are, views into the fused weights)."""
         for module in self.modules():
-            if isinstance(module, DecoderBlock):
+            if isinstance(module, DecoderBlock | Gemma4Block):
                 module.fuse()
 
     def set_exact(self, exact: bool) -> None:
         """Whether cached attention keeps each row's bits whatever the call's shape (see
         attention.py); the engine says, from what it promises."""
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, Attention | Gemma4Attention):
                 module.exact = exact
 
     def trunk(self, tokens: Tensor, rope: Rope, batch: CacheBatch | None = None,
               caches: Sequence[KVCache | StateCache] | None = None) -> Tensor:
         """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
+        if isinstance(self.model, Gemma4Model):
+            return self.model(tokens, rope, batch, caches)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
             run = run_block if layer.linear else self.block_runner

@@ -172,22 +172,36 @@ def check_checkpoint(model_dir: str | Path, *,
     files, stored = _wrapper_names(files)
     expected = {stored(to_checkpoint_name(n, cfg)): (n, tuple(p.shape))
                 for n, p in model.state_dict().items()}
-    _check_names(expected, files, cfg, model_dir)
+    _check_names(expected, files, cfg, model_dir, {stored(n) for n in _unused(cfg)})
     return model, expected, files
 
 
-# The multimodal Qwen3.5 wrapper: the text model under model.language_model., beside a
-# vision tower that ahead does not run (its tensors are known, and skipped).
-_LANGUAGE, _VISUAL = "model.language_model.", "model.visual."
+# The multimodal Qwen3.5 and Gemma 4 wrappers: the text model under model.language_model.,
+# beside vision (and audio) towers that ahead does not run (their tensors are known, and
+# skipped).
+_LANGUAGE = "model.language_model."
+_TOWERS = ("model.visual.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+           "model.embed_audio.")
 
 
 def _wrapper_names(files: dict[str, Path]) -> tuple[dict[str, Path], Callable[[str], str]]:
     """The tensors to load and how our checkpoint names map to the stored ones."""
     if not any(n.startswith(_LANGUAGE) for n in files):
         return files, lambda name: name
-    text = {n: f for n, f in files.items() if not n.startswith(_VISUAL)}
+    text = {n: f for n, f in files.items() if not n.startswith(_TOWERS)}
     return text, lambda name: _LANGUAGE + name[len("model."):] if name.startswith("model.") \
         else name
+
+
+def _unused(cfg: ModelConfig) -> set[str]:
+    """Tensors a checkpoint may hold that the model does not use: Gemma 4's KV-shared
+    layers' own key and value weights (they attend over an earlier layer's; transformers
+    ignores them too)."""
+    return {f"model.layers.{i}.self_attn.{part}.weight"
+            for i, source in enumerate(cfg.kv_sources) if source != i
+            for part in ("k_proj", "v_proj", "k_norm", "v_norm")} | \
+        {f"model.layers.{i}.self_attn.{part}.bias" for i, source in enumerate(cfg.kv_sources)
+         if source != i for part in ("k_proj", "v_proj")}
 
 
 def _add_heads(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> ModelConfig:
@@ -207,8 +221,8 @@ def _add_heads(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> ModelCon
 
 
 def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
-                 cfg: ModelConfig, model_dir: Path) -> None:
-    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+                 cfg: ModelConfig, model_dir: Path, unused: set[str]) -> None:
+    ignorable = unused | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     unexpected = [n for n in files if n not in expected and n not in ignorable
                   and not (cfg.mtp_naming == "deepseek" and n.endswith(_SHARED_COPIES))
                   and not n.endswith("rotary_emb.inv_freq")]
