@@ -87,17 +87,19 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, batch: CacheBatch) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, batch: CacheBatch, scale: float | None = None,
+           window: int = 0, mask: Tensor | None = None) -> Tensor:
     """`masked_attention` of a cached forward; on CPUs where our kernels run, theirs
     (engine/native/attention.c: the same softmax in fp32, each row over its own keys only,
     without torch's copies of the cache). Every cached forward takes the same path, prefill
     chunks too: a position's bits must not depend on whether a prompt's prefix was reused
-    (then its last token runs alone) or prefilled with it."""
+    (then its last token runs alone) or prefilled with it. A sliding-window layer (Gemma 4)
+    gives its `window` and the `mask` that says the same."""
     if q.device.type == "cpu" and native.available():
-        y = native.attention(q, k, v, batch.pos)
+        y = native.attention(q, k, v, batch.pos, scale, window)
         if y is not None:
             return y
-    return masked_attention(q, k, v, batch.mask)
+    return masked_attention(q, k, v, batch.mask if mask is None else mask, scale)
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,

@@ -13,9 +13,9 @@ layers' (moving a slot's length), at the memory of full-length caches. A KV-shar
 writes no cache: it attends over the keys and values the last earlier unshared layer of its
 kind made in the same forward (`Stash`).
 
-The cached forward's attention is `masked_attention` (its rows do not depend on the call's
-shape) or, where the engine does not keep output bit-identical, the fused kernel; our native
-CPU kernel is not used (it has no window). Blocks run eager in eager-shaped steps: the
+The cached forward's attention is `attend` (our CPU kernel, given the window, or
+`masked_attention`: rows that do not depend on the call's shape) or, where the engine does
+not keep output bit-identical, the fused kernel. Blocks run eager in eager-shaped steps: the
 compiled block runner (exec/compile.py) takes the Llama-style block's call.
 """
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
-from engine.model.attention import masked_attention
+from engine.model.attention import attend
 from engine.model.config import FULL, SLIDING, ModelConfig
 from engine.model.layers import MLP, Dense, activation, apply_rope, fuse_linears, norm, rope_part
 
@@ -42,6 +42,7 @@ class Gemma4Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads, own.num_kv_heads
         self.head_dim = hd = own.head_dim
         self.k_eq_v = cfg.attention_k_eq_v and kind == FULL
+        self.window = cfg.sliding_window if kind == SLIDING else 0
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.qkv_bias)
         self.q_norm = norm(cfg, hd)
         if not shared:
@@ -87,7 +88,7 @@ class Gemma4Attention(nn.Module):
                 k, v = cache.update(batch, k, v)  # [B, Hkv, kv_len, D]
             stash[self.kind] = k, v
         if batch is not None and self.exact:
-            y = masked_attention(q, k, v, mask, scale=1.0)
+            y = attend(q, k, v, batch, 1.0, self.window, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
                                                enable_gqa=True)

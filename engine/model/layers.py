@@ -111,8 +111,13 @@ class MLP(nn.Module):
 
 
 def activation(x: Tensor, gelu: bool) -> Tensor:
-    """The gate's nonlinearity: silu, or gelu in its tanh form (Gemma)."""
-    return F.gelu(x, approximate="tanh") if gelu else F.silu(x)
+    """The gate's nonlinearity: silu, or gelu in its tanh form (Gemma; its tanh rounds
+    differently in a vectorised loop's scalar tail: see `same_path`)."""
+    return same_path(_gelu_tanh, x) if gelu else F.silu(x)
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:

@@ -20,7 +20,7 @@ from engine.model.attention import Attention
 from engine.model.block import DecoderBlock, run_block
 from engine.model.config import ModelConfig
 from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
-from engine.model.layers import norm, rope_tables
+from engine.model.layers import norm, rope_tables, same_path
 from engine.model.mtp import MTPModule, Rope
 
 
@@ -64,7 +64,7 @@ class Transformer(nn.Module):
                 else self.lm_head.weight
             logits = F.linear(h, w)
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return same_path(torch.tanh, logits / cap) * cap if cap else logits
 
     def fuse(self) -> None:
         """Each block's Q, K, V and its gate and up projections as one matmul each, for

@@ -53,7 +53,7 @@ class Kernels:
         att.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         att.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
-                        ctypes.c_int, ctypes.c_float, ctypes.c_int]
+                        ctypes.c_int, ctypes.c_float, i64, ctypes.c_int]
         self._attention = att
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
@@ -73,7 +73,8 @@ class Kernels:
             raise ValueError(f"delta rule: shapes the kernel does not take {tuple(v.shape)}")
         return out
 
-    def run_attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+    def run_attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
+                      scale: float | None = None, window: int = 0) -> Tensor:
         bsz, heads, seqlen, dim = q.shape
         qf = q.float().contiguous()
         positions = pos.to(torch.int64).contiguous()
@@ -81,7 +82,8 @@ class Kernels:
         if self._attention(qf.data_ptr(), bsz, heads, seqlen, dim, k.data_ptr(), v.data_ptr(),
                            k.shape[1], k.stride(0), k.stride(1), k.shape[2],
                            positions.data_ptr(), out.data_ptr(), int(k.dtype == torch.bfloat16),
-                           dim ** -0.5, torch.get_num_threads()) != 0:
+                           dim ** -0.5 if scale is None else scale, window,
+                           torch.get_num_threads()) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out.to(q.dtype)
 
@@ -179,19 +181,21 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: 
     return kernels().run_linear(x, w, bias, bits, n, group)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor | None:
-    """softmax(q k^T / sqrt(D)) v for q [B, H, S, D], each row (b, s) over keys
-    0..pos[b, s] of k, v [B, Hkv, kv_len, D] (views of a cache: rows of D contiguous), as
-    `masked_attention` with the mask keys <= pos (a row past the keys sees them all);
-    None where the kernel does not take these tensors (then the caller's path runs)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None = None,
+              window: int = 0) -> Tensor | None:
+    """softmax(q k^T / sqrt(D)) v (or times `scale`) for q [B, H, S, D], each row (b, s)
+    over keys 0..pos[b, s] of k, v [B, Hkv, kv_len, D] (views of a cache: rows of D
+    contiguous), as `masked_attention` with the mask keys <= pos (a row past the keys sees
+    them all), and with a `window` only the last that many of them; None where the kernel
+    does not take these tensors (then the caller's path runs)."""
     if not (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
             and k.stride() == v.stride() and k.stride(-1) == 1
             and k.stride(-2) == k.shape[-1] and k.shape[-1] % 16 == 0
             and k.shape[-1] <= 512):
         return None
     if torch.compiler.is_compiling():
-        return torch.ops.ahead.causal_attention(q, k, v, pos)
-    return kernels().run_attention(q, k, v, pos)
+        return torch.ops.ahead.causal_attention(q, k, v, pos, scale, window)
+    return kernels().run_attention(q, k, v, pos, scale, window)
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
@@ -272,12 +276,14 @@ def _(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) 
 
 
 @torch.library.custom_op("ahead::causal_attention", mutates_args=())
-def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
-    return kernels().run_attention(q, k, v, pos)
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
+                      window: int) -> Tensor:
+    return kernels().run_attention(q, k, v, pos, scale, window)
 
 
 @_causal_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
+      window: int) -> Tensor:
     return q.new_empty(q.shape)
 
 

@@ -46,17 +46,20 @@ static inline __m512 exp_nonpositive(__m512 x) {
 #define MAX_TILE 4
 
 /* Up to MAX_TILE query rows of one head (D floats each, D a multiple of 16, at most 512)
-   against keys 0..n[r]-1: each key and value is loaded once for all the rows that see it.
+   against keys lo[r]..n[r]-1: each key and value is loaded once for all the rows that see it.
    A row's arithmetic is the same whatever rows share its tile: its dot products over D in
    fixed lanes, its sums over keys in key order. */
-static void attend_rows(const float *const *q, const int64_t *n, int rows, const void *k,
-                        const void *v, int64_t D, int bf16, float scale, float *const *scores,
-                        float *const *out) {
+static void attend_rows(const float *const *q, const int64_t *lo, const int64_t *n, int rows,
+                        const void *k, const void *v, int64_t D, int bf16, float scale,
+                        float *const *scores, float *const *out) {
     const int64_t nd = D / 16;
-    int64_t longest = 0;
-    for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
+    int64_t longest = 0, first = n[0];
+    for (int r = 0; r < rows; r++) {
+        longest = n[r] > longest ? n[r] : longest;
+        first = lo[r] < first ? lo[r] : first;
+    }
     const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t t = 0; t < longest; t++) {
+    for (int64_t t = first; t < longest; t++) {
         __m512 acc[MAX_TILE];
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nd; j++) {
@@ -66,14 +69,14 @@ static void attend_rows(const float *const *q, const int64_t *n, int rows, const
                                          acc[r]);
         }
         for (int r = 0; r < rows; r++)
-            if (t < n[r]) scores[r][t] = _mm512_reduce_add_ps(acc[r]);
+            if (t >= lo[r] && t < n[r]) scores[r][t] = _mm512_reduce_add_ps(acc[r]);
     }
     float inv[MAX_TILE];
     for (int r = 0; r < rows; r++) {  /* probabilities in lanes of 16: a fixed order */
         float *s = scores[r], max = -INFINITY;
-        for (int64_t t = 0; t < n[r]; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = lo[r]; t < n[r]; t++) max = s[t] > max ? s[t] : max;
         __m512 sum16 = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n[r]; t += 16) {
+        for (int64_t t = lo[r]; t < n[r]; t += 16) {
             const __mmask16 m = n[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (n[r] - t)) - 1);
             __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t),
                                                      _mm512_set1_ps(max)));
@@ -85,11 +88,11 @@ static void attend_rows(const float *const *q, const int64_t *n, int rows, const
     }
     __m512 acc[MAX_TILE * 32];
     for (int64_t i = 0; i < rows * nd; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < longest; t++) {
+    for (int64_t t = first; t < longest; t++) {
         for (int64_t j = 0; j < nd; j++) {
             const __m512 vj = load16(v, t * D + 16 * j, bf16);
             for (int r = 0; r < rows; r++)
-                if (t < n[r])
+                if (t >= lo[r] && t < n[r])
                     acc[r * nd + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][t]), vj,
                                                       acc[r * nd + j]);
         }
@@ -104,12 +107,13 @@ static void attend_rows(const float *const *q, const int64_t *n, int rows, const
    k, v (fp32, or bf16 when bf16 != 0; element (b, h, t, d) at b*sb + h*sh + t*D + d) of
    kv heads H / Hkv query heads share; row (b, s) sees keys 0..pos[b*S + s], all kv_len of
    them where its position is past them (a padding row parked at the cache's end), none (a
-   row of zeros) where it is negative. Returns 0, or -1 when scratch memory could not be had
-   or the shapes are not ones this kernel takes. */
+   row of zeros) where it is negative; with a window > 0, only the last `window` of those
+   (a sliding-window layer). Returns 0, or -1 when scratch memory could not be had or the
+   shapes are not ones this kernel takes. */
 int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                      const void *k, const void *v, int64_t Hkv, int64_t sb, int64_t sh,
                      int64_t kv_len, const int64_t *pos, float *out, int bf16, float scale,
-                     int threads) {
+                     int64_t window, int threads) {
     if (D % 16 != 0 || D > 512 || H % Hkv != 0) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -133,7 +137,7 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                 for (int64_t s0 = 0; s0 < S; s0 += tile) {
                     const float *qs[MAX_TILE];
                     float *outs[MAX_TILE], *sc[MAX_TILE];
-                    int64_t ns[MAX_TILE];
+                    int64_t ns[MAX_TILE], los[MAX_TILE];
                     int rows = 0;
                     for (int64_t s = s0; s < S && s < s0 + tile; s++) {
                         const int64_t row = (b * H + h) * S + s, p = pos[b * S + s];
@@ -145,9 +149,10 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                         qs[rows] = q + row * D;
                         outs[rows] = out + row * D;
                         sc[rows] = scores + rows * (kv_len + 16);
+                        los[rows] = window > 0 && n > window ? n - window : 0;
                         ns[rows++] = n;
                     }
-                    if (rows) attend_rows(qs, ns, rows, kh, vh, D, bf16, scale, sc, outs);
+                    if (rows) attend_rows(qs, los, ns, rows, kh, vh, D, bf16, scale, sc, outs);
                 }
             }
         free(scores);
