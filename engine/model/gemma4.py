@@ -158,8 +158,8 @@ class Gemma4Model(nn.Module):
         masks = attention_masks(batch, tokens.shape[1], cfg.sliding_window, tokens.device)
         ropes = {kind: rope_part(cfg, kind, rope) for kind in masks}
         stash: Stash = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ropes[layer.kind], masks[layer.kind], stash,
+        for i, (layer, kind) in enumerate(zip(self.layers, cfg.layer_types, strict=True)):
+            x = layer(x, ropes[kind], masks[kind], stash,
                       None if per_layer is None else per_layer[:, :, i],
                       batch, None if caches is None else caches[i])
         return self.norm(x)
