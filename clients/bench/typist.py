@@ -22,6 +22,7 @@ stale steps per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import statistics
@@ -210,10 +211,10 @@ async def bench_typist(model: Path, files: list[Path], *, cps: float = 8.0, char
                     after = (await control.status())["counts"]
                     w.counts.update({k: after.get(k, 0) - before.get(k, 0) for k in _COUNTERS})
                     written[mode].append(w)
-            await control.shutdown()
-        finally:
+        finally:  # the servers first: a server whose daemon went away would start another
             for server in servers.values():
                 await _stop(server)
+            await control.shutdown()
             await control.close()
             os.environ.pop("AHEAD_RUNTIME_DIR", None)
     result: dict[str, Any] = {"backend": backend, "files": [str(f) for f in files],
@@ -244,12 +245,22 @@ async def _server(env: dict[str, str], model: Path, prefetch: bool,
     return client
 
 
-async def _stop(client: LanguageClient) -> None:
-    try:
-        await asyncio.wait_for(client.shutdown_async(None), 10)
+async def _stop(client: LanguageClient, timeout: float = 10.0) -> None:
+    """Shut the server down: shutdown, exit, the end of its input; killed if it has not
+    exited within `timeout` (a teardown never loses a run's figures)."""
+    with contextlib.suppress(Exception):  # a server that does not answer is killed below
+        await asyncio.wait_for(client.shutdown_async(None), timeout)
         client.exit(None)
-    finally:
-        await client.stop()
+    process = client._server  # pygls keeps the process it started there, and no other way
+    if process is not None and process.returncode is None:
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), timeout)
+        except TimeoutError:
+            process.kill()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(client.stop(), timeout)
 
 
 def summary(ws: list[Writing]) -> dict[str, Any]:
