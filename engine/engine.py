@@ -34,11 +34,11 @@ from engine.exec.compile import step_fns
 from engine.exec.graphs import StepGraphs
 from engine.exec.invariance import Invariance, promised
 from engine.generation import Generation, GenParams, Step
-from engine.model.hub import resolve_model
+from engine.model.hub import assistant_for, resolve_model
 from engine.model.quant import QuantCache, quantize_model, resolve
 from engine.model.transformer import Transformer
-from engine.model.weights import load_model
-from engine.paths import cache_dir
+from engine.model.weights import load_assistant, load_model
+from engine.paths import cache_dir, checkpoint_identity
 from engine.tokenizer import Tokenizer
 
 PROMPT_SPARE = 4  # tokens a prompt leaves beyond the answer and a verify pass: markers, slack
@@ -67,7 +67,7 @@ class Engine:
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)
         self.max_slots = slots
         self.k_max = k_max  # drafts from the modules or the context (decode/sources.py)
-        self.mtp = model.num_mtp > 0
+        self.mtp = model.drafts  # MTP modules, or an assistant in their place
         self.width = self.k_max + 1  # the widest verify
         # Step shapes that give every row its plain decoding's bits (exec/invariance.py).
         self.invariance = Invariance(self.width, batch_invariant=False, key_invariant=False)
@@ -114,18 +114,27 @@ class Engine:
              exact: bool | None = None, fixed_shapes: bool | None = None,
              quant: str = "none", quant_cache: Path | None = None,
              draft_vocab: int = reduced.SIZE, drafts: str = "both",
-             mtp: bool = True) -> Engine:
+             mtp: bool = True, draft_model: str | Path | None = None) -> Engine:
         """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it);
-        `mtp` False: the trunk without its MTP modules (drafts from the context alone)."""
+        `mtp` False: the trunk without its MTP modules (drafts from the context alone);
+        `draft_model`: a Gemma 4 assistant (a directory or a name) drafting in their place,
+        by default `<name>-assistant` where it is beside the model in the HF cache."""
+        found = assistant_for(model_dir, draft_model) if mtp or draft_model else None
+        if draft_model and not mtp:
+            raise ValueError("a draft model drafts in the MTP modules' place: not with mtp off")
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         t0 = time.perf_counter()
         model = load_model(model_dir, device=device, dtype=dtype, mtp=mtp)
+        if found is not None:
+            model.assistant = load_assistant(found, model.cfg, device=device, dtype=dtype)
         root = quant_cache.parent if quant_cache else cache_dir("")
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
                                                quant=resolve(model, quant), slots=slots,
                                                k_max=k_max, max_seq_len=max_seq_len, exact=exact,
                                                fixed_shapes=fixed_shapes, draft=draft_vocab,
-                                               modules=model.num_mtp)
+                                               modules=model.num_mtp,
+                                               **({"assistant": checkpoint_identity(found)}
+                                                  if found else {}))
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
                      fixed_shapes=fixed_shapes, quant=quant, calibration=store,
@@ -299,7 +308,7 @@ class Engine:
         rows = self._rows(len(gens))
         plans = [self.drafting.plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
         k = max(p[0] for p in plans)
-        if k:  # modules that fell behind (steps without drafts) catch up first
+        if k and self.model.num_mtp:  # modules behind (steps without drafts) catch up first
             for g, s in zip(gens, slots, strict=True):
                 if s.mtp_len < s.length:
                     catch_up(self.model, self.caches, s.index, g.sequence, s.mtp_len, s.length)

@@ -92,3 +92,29 @@ def write_tokenizer(path: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
     tok.save(str(path / "tokenizer.json"))
+
+
+def write_assistant(path: Path, layers: list[str], *, backbone: int = 48, seed: int = 0,
+                    centroids: int = 0, top_k: int = 2, **overrides: Any) -> torch.nn.Module:
+    """Save a random Gemma 4 assistant (transformers' Gemma4AssistantForCausalLM) 32 wide,
+    drafting for a target `backbone` wide; `centroids` > 0: the clustered head, its token
+    ordering a random permutation. Return the HF model (eval mode, fp32)."""
+    from transformers.models.gemma4_assistant import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    text = text_config(layers, **{"hidden_size": 32, "intermediate_size": 64,
+                                  "vocab_size_per_layer_input": 0, **overrides})
+    cfg = Gemma4AssistantConfig(text_config=text.to_dict(), backbone_hidden_size=backbone,
+                                use_ordered_embeddings=centroids > 0,
+                                num_centroids=max(centroids, 1), centroid_intermediate_top_k=top_k)
+    model = Gemma4AssistantForCausalLM(cfg)
+    _randomise(model, seed)
+    if centroids:
+        gen = torch.Generator().manual_seed(seed)
+        order = torch.randperm(text.vocab_size, generator=gen)
+        model.masked_embedding.token_ordering.copy_(order)
+    model.eval().save_pretrained(path)
+    return model

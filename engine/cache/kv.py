@@ -32,6 +32,11 @@ class KVCache:
         slots = batch.slots[:, None]  # [B, 1] against positions [B, S]
         self.k[slots, :, batch.pos] = k.transpose(1, 2)  # indexed: [B, S, Hkv, D]
         self.v[slots, :, batch.pos] = v.transpose(1, 2)
+        return self.read(batch)
+
+    def read(self, batch: CacheBatch) -> tuple[Tensor, Tensor]:
+        """The keys and values of the batch's slots' first kv_len positions [B, Hkv, kv_len,
+        D], as they are (a drafter attending over the target's cache reads it so)."""
         if batch.span is not None:  # consecutive slots: a view, no copy
             first, last = batch.span
             return self.k[first:last, :, :batch.kv_len], self.v[first:last, :, :batch.kv_len]

@@ -1,5 +1,7 @@
 """Drafting: the MTP modules' chain of drafts after each row's pending token, and bringing a
-module's cache up to the trunk where it fell behind.
+module's cache up to the trunk where it fell behind. Gemma 4's assistant drafts in the
+modules' place as module 0 (decode/assist.py): its every draft queries from the pending
+token's position, and it has no cache to bring up.
 
 Module 0's output at the last cached position N-1 (made from h_{N-1} and the pending token
 x_N) gives draft 1; draft k >= 2 chains module min(k, M) on the previous draft's hidden
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
+from engine.decode.assist import assist, assist_at
 from engine.decode.policy.calibration import CONFIDENCE_BINS
 from engine.decode.random import DRAFT
 from engine.decode.sampling import RowSampling
@@ -60,7 +63,7 @@ def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: T
     m = 0
     for j in range(1, k + 1):
         step = state.draft_index[j:j + 1]  # [1], a tensor made once: no copy from the host
-        m_in, m = m, min(j, model.num_mtp) - 1
+        m_in, m = m, max(min(j, model.num_mtp), 1) - 1  # the assistant: as module 0
         out, tok = draft(model, caches, state, slots, step, m_in, m, out, tok, base, kv_len,
                          sampling, chain, confident=confident, first=j == 1, span=span)
         if early_exit and j < k and not bool(chain.alive.any()):
@@ -80,7 +83,10 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
     the previous draft [B] (the first draft reads module 0's output as it is). Writes the
     draft, its probability and (sampled rows) its distribution into the slots' buffers;
     advances `chain`. Returns the module's output [B, 1, H] and the draft [B]."""
-    if not first:
+    if not first and model.assistant is not None:  # every draft queries from `base`
+        out = assist(model, caches, slots, model.chain_hidden(m_in, out), prev[:, None], base,
+                     kv_len, span)
+    elif not first:
         h = model.chain_hidden(m_in, out)
         pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
         out = model.mtp_forward(m, h, prev[:, None], caches.rope(pos),
@@ -127,7 +133,10 @@ def _bin(conf: Tensor) -> Tensor:
 def catch_up(model: Transformer, caches: Caches, slot: int, seq: list[int], start: int,
              end: int, chunk: int = 512) -> Tensor:
     """Run every module over positions start..end-1 of one slot (entry t from h_t and
-    x_{t+1} = seq[t + 1]); module 0's output at end-1 [1, 1, H]."""
+    x_{t+1} = seq[t + 1]); module 0's output at end-1 [1, 1, H]. The assistant keeps no
+    cache: its output for the pending token seq[end]."""
+    if model.assistant is not None:
+        return assist_at(model, caches, slot, seq, end)
     device = caches.device
     nxt = torch.tensor([seq[start + 1:end + 1]], device=device)
     index = torch.tensor([slot], device=device)

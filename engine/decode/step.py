@@ -22,6 +22,7 @@ from torch import Tensor
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
 from engine.decode.accept import accept, accept_synthetic
+from engine.decode.assist import assist
 from engine.decode.draft import DraftFn, draft_chain, draft_one
 from engine.decode.quality import token_logprobs
 from engine.decode.sampling import RowSampling
@@ -83,8 +84,9 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
                   shape: Shape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Verify each row's window, accept, commit on the device, and (when the step drafts)
     bring the modules along. Returns the window's tokens [B, W], the drafts kept n [B],
-    module 0's output at the new last cached position [B, 1, H] (h itself when not
-    drafting), and each window token's log-probability under the target [B, W]."""
+    module 0's output at the new last cached position [B, 1, H] (the assistant's for the
+    new pending token; h itself when not drafting), and each window token's
+    log-probability under the target [B, W]."""
     width = shape.width
     tokens = state.tokens[slots, :width]  # [B, W]
     length = state.lengths[slots]  # [B]
@@ -107,6 +109,11 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     state.tokens[slots, 0] = pending[:, 0]
     if not shape.drafts:
         return out, n, h[:, :1], logp
+    if model.assistant is not None:  # no cache to bring along: its query for the pending
+        last = h.gather(1, n[:, None, None].expand(-1, 1, h.shape[-1]))  # h at length + n
+        first = assist(model, caches, slots, last, pending, length + n + 1, shape.kv_len,
+                       shape.span)
+        return out, n, first, logp
     # Module entries for the window: x_{t+1} is the next draft, then the pending token.
     nxt = torch.cat([tokens[:, 1:], pending], dim=1).scatter(1, n[:, None], pending)
     outs = [model.mtp_forward(m, h, nxt, rope, batch, kv)

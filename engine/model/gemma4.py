@@ -96,9 +96,12 @@ class Gemma4Attention(nn.Module):
 
 
 class Gemma4Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, shared: bool | None = None) -> None:
+        """`shared`: whether the layer reads another's keys and values (default: as
+        cfg.kv_sources says; the assistant's layers all read the target's)."""
         super().__init__()
-        kind, shared = cfg.layer_types[index], cfg.kv_sources[index] != index
+        kind = cfg.layer_types[index]
+        shared = cfg.kv_sources[index] != index if shared is None else shared
         self.kind = kind
         self.input_layernorm = norm(cfg)
         self.self_attn = Gemma4Attention(cfg, kind, shared)

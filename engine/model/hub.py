@@ -79,3 +79,35 @@ def resolve_model(model: str | Path, env: Mapping[str, str] = os.environ) -> Pat
     if not is_model_name(text) or text.startswith((".", "/", "~")):
         raise ModelNotFound(f"model directory {path} does not exist")
     return snapshot(text, env=env)
+
+
+ASSISTANT_SUFFIX = "-assistant"  # Gemma 4's drafters: google/gemma-4-e2b-it-assistant
+
+
+def assistant_for(model: str | Path, draft_model: str | Path | None = None,
+                  env: Mapping[str, str] = os.environ) -> Path | None:
+    """The draft model's checkpoint directory: `draft_model` (a directory or a name, which
+    must be found), else `<model>-assistant` where it is beside the model in the HF cache
+    (`model` a name, or a snapshot directory in the cache), else None."""
+    if draft_model is not None:
+        return resolve_model(draft_model, env)
+    path = Path(model).expanduser()
+    if path.is_dir():  # <cache>/models--org--name/snapshots/<commit>
+        if path.parent.name != "snapshots" or not path.parent.parent.name.startswith("models--"):
+            return None
+        return _main_snapshot(path.parent.parent.with_name(path.parent.parent.name +
+                                                           ASSISTANT_SUFFIX))
+    name = str(model).split("@", 1)[0]
+    if not is_model_name(name):
+        return None
+    return _main_snapshot(hf_hub_cache(env) / ("models--" + name.replace("/", "--") +
+                                               ASSISTANT_SUFFIX))
+
+
+def _main_snapshot(repo: Path) -> Path | None:
+    """The snapshot a cached repo's main branch points at, if it has a config.json."""
+    ref = repo / "refs" / "main"
+    if not ref.is_file():
+        return None
+    found = repo / "snapshots" / ref.read_text(encoding="utf-8").strip()
+    return found if (found / "config.json").is_file() else None

@@ -4,6 +4,9 @@ Draft k > 1 feeds the previous draft's module output back in (pre-norm for DeepS
 for MiMo and Qwen3-Next: the conventions their servers use). `forward` is the cache-free
 full-sequence pass of training and references; decoding calls `trunk`, `mtp_forward`,
 `mtp_logits`, `chain_hidden` and `head` on a slot's caches.
+
+A Gemma 4 model may draft with its assistant (`assistant.py`) in the MTP modules' place:
+`mtp_logits` and `chain_hidden` are then the assistant's, and decode/assist.py runs it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
 from engine.cache.state import StateCache
+from engine.model.assistant import Assistant
 from engine.model.attention import Attention
 from engine.model.block import DecoderBlock, run_block
 from engine.model.config import ModelConfig
-from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
+from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model, scaled
 from engine.model.layers import norm, rope_tables, same_path
 from engine.model.mtp import MTPModule, Rope
 
@@ -48,6 +52,9 @@ class Transformer(nn.Module):
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).
         self.draft_head: Callable[[Tensor], Tensor] | None = None
+        # A drafter of its own checkpoint in the MTP modules' place (Gemma 4's assistant,
+        # model/assistant.py), attached after loading.
+        self.assistant: Assistant | None = None
         self.quant = "none"  # what runs (model/quant.py), and what was asked for (auto)
         self.quant_asked = "none"
         self.apply(_init_weights)
@@ -55,6 +62,16 @@ class Transformer(nn.Module):
     @property
     def num_mtp(self) -> int:
         return len(self.mtp)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the step drafts: with MTP modules, or the assistant in their place."""
+        return self.num_mtp > 0 or self.assistant is not None
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The trunk's input embedding of tokens (Gemma 4's scaled by sqrt(hidden))."""
+        emb = self.model.embed_tokens(tokens)
+        return scaled(emb, self.cfg.hidden_size) if isinstance(self.model, Gemma4Model) else emb
 
     def head(self, h: Tensor) -> Tensor:
         if self.head_weight is not None:  # quantized (engine/model/quant.py)
@@ -99,12 +116,16 @@ class Transformer(nn.Module):
                            run=self.block_runner)
 
     def mtp_logits(self, i: int, out: Tensor) -> Tensor:
+        if self.assistant is not None:
+            return self.assistant.logits(out)
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         head = self.draft_head or self.head
         return head(module.norm(out))
 
     def chain_hidden(self, i: int, out: Tensor) -> Tensor:
         """What the next draft step receives as its hidden state."""
+        if self.assistant is not None:  # back to the target's width
+            return self.assistant.post_projection(out)
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         return module.norm(out) if self.chain_normed else out
 

@@ -1,4 +1,5 @@
-"""Checkpoint loading and saving: safetensors (single or sharded), HF names, three MTP namings.
+"""Checkpoint loading and saving: safetensors (single or sharded), HF names, three MTP namings;
+and Gemma 4's assistant drafters (engine/model/assistant.py), checked against their target.
 
 Every tensor name is validated against the model before a byte is loaded, so a bad checkpoint
 fails with the file and tensor named and nothing half-loaded ever reaches the caller.
@@ -16,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.model.config import ModelConfig
+from engine.model.assistant import Assistant, AssistantConfig
+from engine.model.config import ConfigError, ModelConfig
 from engine.model.transformer import Transformer
 
 
@@ -279,7 +281,8 @@ def save_model(model: Transformer, model_dir: str | Path, *, max_shard_bytes: in
     cfg = model.cfg
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     tensors = {to_checkpoint_name(n, cfg): t.detach().to(dtype or t.dtype).contiguous().cpu()
-               for n, t in model.state_dict().items()}
+               for n, t in model.state_dict().items()
+               if not n.startswith("assistant.")}  # a drafter of its own checkpoint
     if max_shard_bytes is None:
         save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -301,3 +304,53 @@ def save_model(model: Transformer, model_dir: str | Path, *, max_shard_bytes: in
     index = {"metadata": {"total_size": total},
              "weight_map": weight_map}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def load_assistant(path: str | Path, target: ModelConfig, *,
+                   device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32) -> Assistant:
+    """An assistant checkpoint (config.json + safetensors) for `target`, straight onto
+    `device`: floating tensors in `dtype`, the token ordering as stored. Raises ConfigError
+    (it does not fit the target) or CheckpointError (names the file and tensor)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    cfg = AssistantConfig.from_file(path / "config.json")
+    try:
+        cfg.check_target(target)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    with torch.device("meta"):
+        assistant = Assistant(cfg, target)
+    shapes = {n: tuple(t.shape) for n, t in assistant.state_dict().items()}
+    files = checkpoint_files(path)
+    _check_assistant_names(path, shapes, files, cfg)
+    state: dict[str, torch.Tensor] = {}
+    for name in shapes:
+        with safe_open(str(files[name]), framework="pt", device=str(device)) as st:
+            t = st.get_tensor(name)
+        state[name] = t.to(dtype) if t.is_floating_point() else t
+    assistant.load_state_dict(state, assign=True, strict=True)
+    return assistant.eval()
+
+
+def _check_assistant_names(path: Path, shapes: dict[str, tuple[int, ...]],
+                           files: dict[str, Path], cfg: AssistantConfig) -> None:
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [n for n in files if n not in shapes and n not in ignorable
+                  and not n.endswith(("rotary_emb.inv_freq", "_inv_freq"))]
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensors in the assistant "
+                              f"{', '.join(map(repr, unexpected[:8]))}")
+    headers: dict[Path, dict[str, dict]] = {}
+    for name, shape in shapes.items():
+        if name not in files:
+            raise CheckpointError(f"{path}: the assistant lacks tensor {name!r}")
+        if files[name] not in headers:
+            headers[files[name]] = read_header(files[name])
+        header = headers[files[name]]
+        got = tuple(header[name]["shape"]) if name in header else None
+        if got != shape:
+            raise CheckpointError(f"{files[name]}: tensor {name!r} has shape "
+                                  f"{None if got is None else list(got)}, expected "
+                                  f"{list(shape)}")
