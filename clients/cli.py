@@ -89,6 +89,8 @@ def _bench_steps(args: argparse.Namespace) -> int:
             if not Path(path).is_file():
                 raise CliError(f"{what} {path} does not exist")
     if args.preset:
+        if args.draft_model:
+            raise CliError("--draft-model drafts for a checkpoint, not a preset")
         try:
             engine = preset_engine(args.preset, **(engine_options(args) | mtp_only))
         except ValueError as e:

@@ -44,13 +44,15 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     dtype = dtypes[args.dtype or cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    draft_model = getattr(args, "draft_model", None) or cfg.draft_model
     return {"device": device, "dtype": dtype, "max_seq_len": args.max_seq_len or cfg.max_seq_len,
             "k_max": cfg.k_max if args.k_max is None else args.k_max,
             "slots": getattr(args, "slots", None) or cfg.slots,
             "quant": getattr(args, "quant", None) or cfg.quant,
             "draft_vocab": cfg.draft_vocab, "drafts": cfg.drafts,
             **{name: switch(getattr(args, name, None) or getattr(cfg, name))
-               for name in SWITCHES}}
+               for name in SWITCHES},
+            **({"draft_model": draft_model} if draft_model else {})}
 
 
 def load_engine(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -65,6 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory, or a Hugging Face name "
                    "(Qwen/Qwen3.5-2B[@revision]) found in the local HF cache (default: the "
                    "config file's, $AHEAD_MODEL, else the bundled model)")
+    p.add_argument("--draft-model", help="a Gemma 4 -assistant drafter for the model: "
+                   "checkpoint directory or Hugging Face name (default: the config's, else "
+                   "<model>-assistant where it is beside the model in the HF cache)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="default: bf16 on CUDA, fp32 on CPU")
@@ -86,8 +91,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def serve_args(args: argparse.Namespace) -> list[str]:
     """The model flags given, passed on to a daemon this command starts."""
     out = []
-    for flag in ("model", "device", "dtype", "max_seq_len", "k_max", "quant", "graphs",
-                 "compile", "exact"):
+    for flag in ("model", "draft_model", "device", "dtype", "max_seq_len", "k_max", "quant",
+                 "graphs", "compile", "exact"):
         value = getattr(args, flag, None)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]

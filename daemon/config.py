@@ -1,6 +1,9 @@
 """User configuration: `~/.config/ahead/config.toml`, overridden by environment variables.
 
     model = "/path/to/checkpoint"   # default: the bundled model
+    draft_model = "google/gemma-4-e2b-it-assistant"  # a Gemma 4 model's -assistant drafter
+                                     # (a directory or a name; default: <model>-assistant
+                                     # where it is beside the model in the HF cache)
     device = "cuda"                  # default: cuda when available
     dtype = "bf16"                   # fp32 | bf16 | fp16
     quant = "auto"                   # auto (int8 for a model of 1 GB+ where our CPU kernels
@@ -76,6 +79,7 @@ class ConfigFileError(ValueError):
 @dataclass(slots=True)
 class Settings:
     model: str | None = None
+    draft_model: str | None = None
     device: str | None = None
     dtype: str | None = None
     quant: str = "auto"

@@ -116,12 +116,10 @@ class Engine:
              draft_vocab: int = reduced.SIZE, drafts: str = "both",
              mtp: bool = True, draft_model: str | Path | None = None) -> Engine:
         """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it);
-        `mtp` False: the trunk without its MTP modules (drafts from the context alone);
-        `draft_model`: a Gemma 4 assistant (a directory or a name) drafting in their place,
-        by default `<name>-assistant` where it is beside the model in the HF cache."""
-        found = assistant_for(model_dir, draft_model) if mtp or draft_model else None
-        if draft_model and not mtp:
-            raise ValueError("a draft model drafts in the MTP modules' place: not with mtp off")
+        `mtp` False: the trunk without its MTP modules or draft model (drafts from the
+        context alone); `draft_model`: a Gemma 4 assistant (a directory or a name) drafting
+        in their place, by default `<name>-assistant` beside the model in the HF cache."""
+        found = assistant_for(model_dir, draft_model) if mtp else None
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         t0 = time.perf_counter()
         model = load_model(model_dir, device=device, dtype=dtype, mtp=mtp)

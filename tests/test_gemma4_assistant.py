@@ -225,6 +225,24 @@ def test_three_slots_equal_each_ones_plain_decoding(engine: Engine) -> None:
         assert run_batched(engine, ps, batch) == alone, ks
 
 
+def test_fixed_shapes_keep_it_too(pairs: dict[str, tuple[Path, Path]]) -> None:
+    """The step's fixed shape (as compiled and captured steps run it): every slot, padding
+    rows in the spare one at position 0, the whole cache's keys."""
+    for head in ("dense", "clustered"):
+        target, assistant = pairs[head]
+        engine = Engine.load(target, draft_model=assistant, max_seq_len=128, k_max=K_MAX,
+                             slots=2, drafts="mtp", fixed_shapes=True)
+        assert engine.static
+        drafted = 0
+        for prompt in prompts(2):
+            want = plain(engine, prompt, 24)
+            for k in (K_MAX, None):
+                gen = engine.generate(prompt, params(24, k))
+                assert gen.tokens == want, (head, k)
+                drafted += gen.stats.drafted
+        assert drafted > 0
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"backbone": 64}, r"its hidden size is 64, the target's 48"),
     ({"global_head_dim": 16}, r"its full_attention head size is 16, the target's 32"),
@@ -270,3 +288,33 @@ def test_the_assistant_beside_the_model_in_the_hf_cache_is_found(
     (tmp_path / "hub" / "models--other--drafter" / "refs" / "main").write_text(commit)
     engine = Engine.load("org/tiny-gemma", draft_model="other/drafter", max_seq_len=128)
     assert engine.model.assistant is not None
+
+
+def test_the_flag_and_the_config_key_reach_the_engine_and_status_shows_its_memory(
+        pairs: dict[str, tuple[Path, Path]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--draft-model` (as `ahead serve` and the CLI take it), else the config key
+    `draft_model` (here through AHEAD_DRAFT_MODEL); the flag is passed on to a daemon the
+    command starts; `ahead status` shows the assistant's parameter memory."""
+    import argparse
+
+    from clients.common import add_model_args, load_engine, serve_args
+    from daemon.backends.local import LocalBackend
+
+    target, assistant = pairs["dense"]
+    monkeypatch.setenv("AHEAD_CONFIG", str(tmp_path / "none.toml"))
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    flags = ["--model", str(target), "--max-seq-len", "128", "--k-max", "2"]
+    args = parser.parse_args([*flags, "--draft-model", str(assistant)])
+    assert serve_args(args)[2:4] == ["--draft-model", str(assistant)]
+    engine = load_engine(args)
+    assert engine.model.assistant is not None
+    mib = LocalBackend(engine).status()["draft_model_mib"]
+    assert mib == round(engine.model.assistant.nbytes() / (1 << 20), 1) and \
+        engine.model.assistant.nbytes() > 4 * VOCAB * 32  # its tied head, at least
+    assert load_engine(parser.parse_args(flags)).model.assistant is None
+    monkeypatch.setenv("AHEAD_DRAFT_MODEL", str(assistant))
+    assert load_engine(parser.parse_args(flags)).model.assistant is not None
+    assert "draft_model_mib" not in LocalBackend(
+        load_engine(parser.parse_args(flags), mtp=False)).status()

@@ -94,11 +94,15 @@ class LocalBackend:
                 **self.engine.policy.report()}
 
     def _memory(self) -> dict[str, Any]:
-        """The slots' device memory; for hybrid models, the recurrent states' share of it
+        """The slots' device memory, and the draft model's parameters where there is one;
+        for hybrid models, the recurrent states' share of the slots' memory
         (conv and delta-rule states, k_max + 2 per slot and layer and the checkpoints that
         prefix reuse resumes from: see cache/state.py)."""
         caches, mib = self.engine.caches, 1 << 20
         out: dict[str, Any] = {"cache_mib": round(caches.nbytes() / mib, 1)}
+        assistant = self.engine.model.assistant
+        if assistant is not None:  # a drafter of its own checkpoint (Gemma 4's -assistant)
+            out["draft_model_mib"] = round(assistant.nbytes() / mib, 1)
         if self.engine.model.cfg.hybrid:
             out["recurrent_state_mib"] = round(caches.state_nbytes() / mib, 2)
             out["state_snapshots_per_slot"] = caches.ring
