@@ -3,8 +3,9 @@ its drafts' logits given the same target state (dense and clustered heads, the t
 sliding window crossed), and the drafts the engine's step makes against those the reference
 makes from the same sequence. Then through the engine: speculative output with the
 assistant drafting equals plain decoding for every K, alone and with three slots, in fp32
-and bf16 (where the exactness probe holds), with drafts both kept and rejected; a
-mismatched assistant is refused by name; and `<name>-assistant` beside the model in the HF
+and bf16 (where the exactness probe holds), with drafts both kept and rejected, and in
+fixed shapes; sampled output follows the target's exact distribution; a mismatched
+assistant is refused by name; and `<name>-assistant` beside the model in the HF
 cache is found by itself."""
 
 from __future__ import annotations
@@ -318,3 +319,29 @@ def test_the_flag_and_the_config_key_reach_the_engine_and_status_shows_its_memor
     assert load_engine(parser.parse_args(flags)).model.assistant is not None
     assert "draft_model_mib" not in LocalBackend(
         load_engine(parser.parse_args(flags), mtp=False)).status()
+
+
+@pytest.mark.parametrize("centroids", [0, 3])
+def test_sampled_output_follows_the_target_with_the_assistant_drafting(
+        tmp_path: Path, centroids: int) -> None:
+    """Temperature 1, six tokens: the assistant's drafts are samples of its q (the clustered
+    head's too, the tokens it does not score at its floor), and the continuations' counts
+    over seeded generations follow the target's exact distribution."""
+    from tests.test_sampling import (
+        P_MIN,
+        exact_continuations,
+        gof,
+        sample_continuations,
+        tiny_engine,
+    )
+
+    write(tmp_path / "t", [S, F], seed=8, vocab=6, eos_token_id=None)  # no end
+    write_assistant(tmp_path / "a", [F], seed=9, vocab=6, centroids=centroids, top_k=1)
+    model = load_model(tmp_path / "t")
+    model.assistant = load_assistant(tmp_path / "a", model.cfg)
+    prompt, length = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 3  # past the window
+    exact = exact_continuations(model, prompt, length, 1.0, 1.0)
+    engine = tiny_engine(model, slots=16)
+    spec = sample_continuations(engine, prompt, length, 2, 1.0, 1.0, n=1500, drafts="mtp")
+    assert engine.drafting.report()["mtp"]["accepted"] > 0
+    assert gof(spec, exact) > P_MIN
