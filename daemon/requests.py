@@ -192,7 +192,9 @@ def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
     The prefix must be the earlier prefix plus text that completion produced. Clients send
     windows cut at line boundaries, so as the cursor moves a line may drop off the window's
     start: the earlier prefix is compared by its end, not its start. A finished completion
-    typed to its end, or to nothing but white space, has nothing left to say: no match.
+    typed to its end, or to nothing but white space, has nothing left to say: no match (a
+    new completion at the new cursor may). At its own cursor (nothing typed) its answer is
+    the one a new completion would give, empty or not (a prefetch that found nothing).
     """
     if last is None or last.suffix != req.suffix:
         return None
@@ -206,7 +208,7 @@ def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
         same_before = (head[len(head) - overlap:] == old[len(old) - overlap:]) if overlap \
             else head == old
         if same_before and new[len(new) - t:] == text[:t]:
-            return (job, text[:t]) if job.live or text[t:].strip() else None
+            return (job, text[:t]) if job.live or t == 0 or text[t:].strip() else None
     return None
 
 

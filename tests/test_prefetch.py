@@ -122,6 +122,10 @@ def test_a_finished_completion_typed_to_its_end_has_nothing_left_to_say() -> Non
     assert _typed(last, ask("x = f(")) == (job, "f(")
     assert _typed(last, ask("x = f(1)")) is None
     assert _typed(last, ask("x = f(1)\n")) is None
+    assert _typed(last, ask("x = ")) == (job, "")  # its own cursor: its own answer
+    empty = _Last("y = ", "\n", Job(work=Work("y = ", "\n"), listeners=[], text="",
+                                    finish_reason="stop"))
+    assert _typed(empty, ask("y = ")) == (empty.job, "")  # a prefetch that found nothing
     job.finish_reason = None  # still running: its rest is still to come
     assert _typed(last, ask("x = f(1)")) == (job, "f(1)")
 
