@@ -261,6 +261,8 @@ async def _stop(client: LanguageClient, timeout: float = 10.0) -> None:
             process.kill()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(client.stop(), timeout)
+    if process is not None:  # else its pipes are closed after the loop, with a traceback
+        process._transport.close()  # type: ignore[attr-defined]
 
 
 def summary(ws: list[Writing]) -> dict[str, Any]:

@@ -102,8 +102,9 @@ class AssistantConfig:
             raise ConfigError("a Gemma 4 assistant drafts for a Gemma 4 model without MTP "
                               f"modules, not a {target.family} one with "
                               f"{target.num_mtp_modules}")
-        pairs = [("hidden size", self.backbone_hidden_size, target.hidden_size),
-                 ("vocabulary", text.vocab_size, target.vocab_size)]
+        pairs: list[tuple[str, object, object]] = [
+            ("hidden size", self.backbone_hidden_size, target.hidden_size),
+            ("vocabulary", text.vocab_size, target.vocab_size)]
         for kind in sorted(set(text.layer_types)):
             ours, theirs = text.for_kind(kind), target.for_kind(kind)
             if kind not in target.layer_types:
@@ -132,6 +133,7 @@ class CentroidHead(nn.Module):
         super().__init__()
         self.top_k, self.num_centroids = cfg.top_k, cfg.num_centroids
         self.centroids = nn.Linear(cfg.text.hidden_size, cfg.num_centroids, bias=False)
+        self.token_ordering: Tensor
         self.register_buffer("token_ordering", torch.zeros(cfg.text.vocab_size,
                                                            dtype=torch.long))
 
@@ -189,9 +191,8 @@ class Assistant(nn.Module):
         x = self.pre_projection(torch.cat([emb, h], dim=-1))  # [B, 1, Ha]
         masks = attention_masks(seen, 1, self.window, x.device)
         stash = {kind: _cache(caches[i]).read(seen) for kind, i in self.sources.items()}
-        for layer in self.model.layers:
-            x = layer(x, rope_part(self.target, layer.kind, rope), masks[layer.kind], stash,
-                      None, seen)
+        for layer, kind in zip(self.model.layers, self.cfg.text.layer_types, strict=True):
+            x = layer(x, rope_part(self.target, kind, rope), masks[kind], stash, None, seen)
         return self.model.norm(x)
 
     @property
