@@ -7,7 +7,8 @@ Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` wrapper's `text_config`) is
 Gemma 4 (`gemma4_text`, or the multimodal `gemma4` wrapper's `text_config`) mixes
 sliding-window layers with full-attention layers that have their own head size, kv heads and
 rope (`for_kind`); its last `num_kv_shared_layers` layers read an earlier layer's cache
-(`kv_sources`). Its mixture-of-experts variant is refused."""
+(`kv_sources`). Its keys are read and written in gemma4_config.py; its mixture-of-experts
+variant is refused."""
 
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config.json that ahead cannot run, with the reason and the file."""
-
+from engine.model import gemma4_config
+from engine.model.config_base import FULL, LINEAR, SLIDING, ConfigError
 
 # model_type -> how the family differs from plain Llama.
 _FAMILIES: dict[str, dict[str, bool | None]] = {
@@ -31,8 +30,6 @@ _FAMILIES: dict[str, dict[str, bool | None]] = {
     "qwen3_5": {"qkv_bias": None, "qk_norm": True},
     "gemma4": {"qkv_bias": None, "qk_norm": True},
 }
-# the layer kinds, as HF names them
-FULL, LINEAR, SLIDING = "full_attention", "linear_attention", "sliding_attention"
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # rope type -> the settings it cannot do without
 _ROPE_REQUIRES: dict[str, tuple[str, ...]] = {
@@ -260,7 +257,7 @@ class ModelConfig:
                 partial_rotary_factor=partial,
             )
             fields.update(_hybrid(raw) if model_type == "qwen3_5" else
-                          _gemma4(raw) if model_type == "gemma4" else {})
+                          gemma4_config.read(raw) if model_type == "gemma4" else {})
             return cls(**fields)
         except KeyError as e:
             raise ConfigError(f"missing required key {e.args[0]!r}") from None
@@ -321,30 +318,13 @@ class ModelConfig:
                                         "partial_rotary_factor": self.partial_rotary_factor})
             del raw["rope_theta"], raw["rope_scaling"]
         if self.family == "gemma4":
-            raw.update(self._gemma4_hf())
+            raw.update(gemma4_config.to_hf(self.as_dict()))
             del raw["rope_theta"], raw["rope_scaling"], raw["hidden_act"], raw["mlp_bias"]
         if self.num_mtp_modules and self.mtp_naming == "mtp":
             raw["mtp_num_hidden_layers"] = self.mtp_layers_per_module
         elif self.num_mtp_modules:
             raw["num_nextn_predict_layers"] = self.num_mtp_modules
         return raw
-
-    def _gemma4_hf(self) -> dict[str, Any]:
-        full = {"rope_type": "default", **(self.rope_scaling or {}),
-                "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
-        return {"model_type": "gemma4_text", "layer_types": list(self.layer_types),
-                "hidden_activation": self.hidden_act, "sliding_window": self.sliding_window,
-                "rope_parameters": {SLIDING: {"rope_type": "default",
-                                              "rope_theta": self.local_rope_theta},
-                                    FULL: full},
-                "global_head_dim": self.global_head_dim or self.head_dim,
-                "num_global_key_value_heads": self.num_global_kv_heads or None,
-                "attention_k_eq_v": self.attention_k_eq_v,
-                "num_kv_shared_layers": self.num_kv_shared_layers,
-                "hidden_size_per_layer_input": self.hidden_size_per_layer_input,
-                "vocab_size_per_layer_input": self.vocab_size_per_layer_input,
-                "use_double_wide_mlp": self.double_wide_mlp,
-                "final_logit_softcapping": self.final_logit_softcapping or None}
 
     def with_(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
@@ -371,7 +351,7 @@ def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("model_type") == "qwen3_5_text":
         raw = {**raw, "model_type": "qwen3_5"}
     if raw.get("model_type") in ("gemma4", "gemma4_text"):  # the text config's defaults
-        raw = {**_GEMMA4_DEFAULTS, **raw, "model_type": "gemma4"}
+        raw = gemma4_config.with_defaults(raw)
     return raw
 
 
@@ -390,75 +370,6 @@ def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
             "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
             "attn_output_gate": bool(raw.get("attn_output_gate", True)),
             "norm_offset": True}
-
-
-# What transformers' Gemma4TextConfig assumes of keys a config.json leaves out.
-_GEMMA4_DEFAULTS: dict[str, Any] = {
-    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
-    "max_position_embeddings": 131072, "sliding_window": 512, "eos_token_id": 1,
-    "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
-    "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-                        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                               "rope_theta": 1e6}}}
-
-
-def _gemma4(raw: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 4's settings. Its full layers' head size and kv heads come from
-    `global_head_dim` and `num_global_key_value_heads` (the latter only with
-    attention_k_eq_v), or from `per_layer_config` as newer transformers write it."""
-    missing = [k for k in ("enable_moe_block", "num_experts", "top_k_experts") if raw.get(k)]
-    if missing:
-        raise ConfigError(f"Gemma 4's mixture-of-experts blocks ({', '.join(missing)}) are not "
-                          "supported: ahead runs the dense Gemma 4 text models (it has no "
-                          "router or experts)")
-    if raw.get("use_bidirectional_attention") == "all":
-        raise ConfigError("bidirectional attention (use_bidirectional_attention 'all') is "
-                          "not supported")
-    layers = int(raw["num_hidden_layers"])
-    kinds = list(raw.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING
-                                            for i in range(layers)])
-    kinds[-1] = FULL  # as transformers forces it
-    rope = raw["rope_parameters"]
-    local, full = rope.get(SLIDING) or {}, rope.get(FULL) or {}
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"sliding layers' rope {local['rope_type']!r} is not supported")
-    scaling = {k: v for k, v in full.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if scaling.get("rope_type", "default") == "default":
-        scaling = {}
-    k_eq_v = bool(raw.get("attention_k_eq_v", False))
-    head_dim, kv_heads = _gemma4_full_layers(raw, kinds, k_eq_v)
-    return {"layer_types": tuple(kinds), "hidden_act": raw["hidden_activation"],
-            "sliding_window": int(raw["sliding_window"]),
-            "local_rope_theta": float(local.get("rope_theta") or 10000.0),
-            "rope_theta": float(full.get("rope_theta") or 10000.0),
-            "rope_scaling": scaling or None,
-            "partial_rotary_factor": float(full.get("partial_rotary_factor") or 1.0),
-            "global_head_dim": head_dim, "num_global_kv_heads": kv_heads,
-            "attention_k_eq_v": k_eq_v,
-            "num_kv_shared_layers": int(raw.get("num_kv_shared_layers") or 0),
-            "hidden_size_per_layer_input": int(raw["hidden_size_per_layer_input"] or 0),
-            "vocab_size_per_layer_input": int(raw["vocab_size_per_layer_input"] or 0),
-            "double_wide_mlp": bool(raw.get("use_double_wide_mlp", False)),
-            "final_logit_softcapping": float(raw.get("final_logit_softcapping") or 0.0)}
-
-
-def _gemma4_full_layers(raw: dict[str, Any], kinds: list[str],
-                        k_eq_v: bool) -> tuple[int, int]:
-    """The full layers' (head_dim, kv heads; 0: num_key_value_heads)."""
-    per_layer = raw.get("per_layer_config")
-    if per_layer is None:
-        kv = raw.get("num_global_key_value_heads") if k_eq_v else None
-        return int(raw.get("global_head_dim") or 512), int(kv or 0)
-    overrides = {int(i): dict(v) for i, v in per_layer.items()}
-    unknown = {k for v in overrides.values() for k in v} - {"head_dim", "num_key_value_heads"}
-    if unknown:
-        raise ConfigError(f"per_layer_config overrides {sorted(unknown)}: not supported")
-    full = [overrides.get(i, {}) for i, kind in enumerate(kinds) if kind == FULL]
-    if any(overrides.get(i) for i, kind in enumerate(kinds) if kind != FULL) or \
-            any(o != full[0] for o in full):
-        raise ConfigError("per_layer_config must give every full-attention layer the same "
-                          "settings and sliding layers none")
-    return int(full[0].get("head_dim") or 0), int(full[0].get("num_key_value_heads") or 0)
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:
