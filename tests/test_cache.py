@@ -9,7 +9,7 @@ import torch
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches, Slot
 from engine.decode.prefill import checkpoint_marks
-from engine.model.config import PRESETS
+from engine.model.presets import PRESETS
 from engine.model.transformer import Transformer
 
 SLOT = 1  # a slot other than the first: rows index their own slot's caches

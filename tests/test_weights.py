@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.model.config import PRESETS, ConfigError, ModelConfig
+from engine.model.config import ConfigError, ModelConfig
+from engine.model.presets import PRESETS
 from engine.model.transformer import Transformer
 from engine.model.weights import (
     CheckpointError,

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from engine import prompt as recipe
-from engine.model.config import PRESETS, ModelConfig
+from engine.model.config import ModelConfig
+from engine.model.presets import PRESETS
 from engine.model.transformer import Transformer
 from engine.model.weights import save_model
 from engine.tokenizer import Tokenizer, save_tokenizer_dir, train_byte_level_bpe

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.config import PRESETS
+from engine.model.presets import PRESETS
 from engine.model.transformer import Transformer
 from engine.model.weights import save_model
 from engine.tokenizer import Tokenizer, save_tokenizer_dir, set_fim_order, train_byte_level_bpe

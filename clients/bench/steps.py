@@ -20,7 +20,7 @@ import torch
 from clients.bench.engine import load_line
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
-from engine.model.config import PRESETS
+from engine.model.presets import PRESETS
 from engine.model.quant import describe, packed_weights
 from engine.model.transformer import Transformer
 from engine.tokenizer import Tokenizer

@@ -2,7 +2,7 @@
 
 Qwen3.5 (`qwen3_5_text`, or the multimodal `qwen3_5` wrapper's `text_config`) is a hybrid:
 `layer_types` mixes full attention (gated, partial rotary) with Gated DeltaNet layers
-(`linear_*`), and its norms scale by (1 + w).
+(`linear_*`), and its norms scale by (1 + w). Its keys are read and written in qwen35_config.py.
 
 Gemma 4 (`gemma4_text`, or the multimodal `gemma4` wrapper's `text_config`) mixes
 sliding-window layers with full-attention layers that have their own head size, kv heads and
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.model import gemma4_config
+from engine.model import gemma4_config, qwen35_config
 from engine.model.config_base import FULL, LINEAR, SLIDING, ConfigError
 
 # model_type -> how the family differs from plain Llama.
@@ -256,7 +256,7 @@ class ModelConfig:
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                 partial_rotary_factor=partial,
             )
-            fields.update(_hybrid(raw) if model_type == "qwen3_5" else
+            fields.update(qwen35_config.read(raw) if model_type == "qwen3_5" else
                           gemma4_config.read(raw) if model_type == "gemma4" else {})
             return cls(**fields)
         except KeyError as e:
@@ -307,15 +307,7 @@ class ModelConfig:
         if self.eos_token_ids:
             raw["eos_token_id"] = list(self.eos_token_ids)
         if self.family == "qwen3_5":
-            raw.update(model_type="qwen3_5_text", layer_types=list(self.layer_types),
-                       linear_num_key_heads=self.linear_num_k_heads,
-                       linear_num_value_heads=self.linear_num_v_heads,
-                       linear_key_head_dim=self.linear_k_head_dim,
-                       linear_value_head_dim=self.linear_v_head_dim,
-                       linear_conv_kernel_dim=self.linear_conv_kernel,
-                       attn_output_gate=self.attn_output_gate,
-                       rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
-                                        "partial_rotary_factor": self.partial_rotary_factor})
+            raw.update(qwen35_config.to_hf(self.as_dict()))
             del raw["rope_theta"], raw["rope_scaling"]
         if self.family == "gemma4":
             raw.update(gemma4_config.to_hf(self.as_dict()))
@@ -355,23 +347,6 @@ def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5's hybrid settings; the layer kinds from `layer_types`, else every
-    `full_attention_interval`-th layer is full attention."""
-    layers = int(raw["num_hidden_layers"])
-    interval = int(raw.get("full_attention_interval") or 4)
-    kinds = raw.get("layer_types") or [LINEAR if (i + 1) % interval else FULL
-                                       for i in range(layers)]
-    return {"layer_types": tuple(kinds),
-            "linear_num_k_heads": int(raw.get("linear_num_key_heads", 16)),
-            "linear_num_v_heads": int(raw.get("linear_num_value_heads", 32)),
-            "linear_k_head_dim": int(raw.get("linear_key_head_dim", 128)),
-            "linear_v_head_dim": int(raw.get("linear_value_head_dim", 128)),
-            "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
-            "attn_output_gate": bool(raw.get("attn_output_gate", True)),
-            "norm_offset": True}
-
-
 def _rope_theta(raw: dict[str, Any]) -> float:
     params = raw.get("rope_parameters") or {}
     return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
@@ -403,53 +378,3 @@ def _num_mtp(raw: dict[str, Any]) -> int:
     if raw.get("num_nextn_predict_layers"):
         return int(raw["num_nextn_predict_layers"])
     return 1 if raw.get("mtp_num_hidden_layers") else 0
-
-
-_QWEN35_LAYERS = (LINEAR, LINEAR, LINEAR, FULL)
-_QWEN35: dict[str, Any] = {"linear_num_k_heads": 16, "linear_num_v_heads": 16,
-                           "linear_k_head_dim": 128, "linear_v_head_dim": 128,
-                           "partial_rotary_factor": 0.25, "attn_output_gate": True,
-                           "norm_offset": True}
-
-# Named presets (gpt-fast's idea): the bundled model's shape, and tiny ones for tests.
-PRESETS: dict[str, ModelConfig] = {
-    # Deep and narrow with a small vocabulary, so one MTP module and the head cost a small
-    # fraction of a verify step. ~8M parameters: 16 MB in bf16.
-    "ahead-small": ModelConfig(family="qwen3", vocab_size=4096, hidden_size=256,
-                               intermediate_size=768, num_layers=8, num_heads=4, num_kv_heads=2,
-                               head_dim=64, qk_norm=True, tie_word_embeddings=True,
-                               num_mtp_modules=1, rope_theta=10000.0,
-                               max_position_embeddings=2048),
-    # Qwen2-1.5B's shapes with one MTP module, for `ahead bench engine --preset` (random
-    # weights, built in memory).
-    "qwen2-1.5b": ModelConfig(family="qwen2", vocab_size=151936, hidden_size=1536,
-                              intermediate_size=8960, num_layers=28, num_heads=12,
-                              num_kv_heads=2, head_dim=128, qkv_bias=True,
-                              tie_word_embeddings=True, num_mtp_modules=1, rope_theta=1e6,
-                              max_position_embeddings=32768),
-    # Qwen3.5-2B's shapes (three Gated DeltaNet layers to one gated-attention layer, its
-    # one-layer MTP module), for `ahead bench engine --preset`.
-    "qwen3.5-2b": ModelConfig(family="qwen3_5", vocab_size=248320, hidden_size=2048,
-                              intermediate_size=6144, num_layers=24, num_heads=8,
-                              num_kv_heads=2, head_dim=256, qk_norm=True,
-                              tie_word_embeddings=True, num_mtp_modules=1, mtp_naming="mtp",
-                              rope_theta=1e7, max_position_embeddings=262144,
-                              layer_types=_QWEN35_LAYERS * 6, **_QWEN35),
-    "tiny-qwen3.5": ModelConfig(family="qwen3_5", vocab_size=512, hidden_size=64,
-                                intermediate_size=128, num_layers=4, num_heads=4,
-                                num_kv_heads=2, head_dim=16, qk_norm=True, num_mtp_modules=1,
-                                mtp_naming="mtp", max_position_embeddings=1024,
-                                layer_types=_QWEN35_LAYERS,
-                                **{**_QWEN35, "linear_num_k_heads": 2, "linear_num_v_heads": 4,
-                                   "linear_k_head_dim": 16, "linear_v_head_dim": 16}),
-    "tiny-llama": ModelConfig(family="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                              num_layers=2, num_heads=4, num_kv_heads=2, num_mtp_modules=1,
-                              max_position_embeddings=1024),
-    "tiny-qwen2": ModelConfig(family="qwen2", vocab_size=512, hidden_size=64, intermediate_size=160,
-                              num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
-                              num_mtp_modules=1, tie_word_embeddings=True,
-                              max_position_embeddings=1024),
-    "tiny-qwen3": ModelConfig(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
-                              num_layers=3, num_heads=4, num_kv_heads=1, head_dim=32, qk_norm=True,
-                              num_mtp_modules=2, max_position_embeddings=1024),
-}

@@ -1,4 +1,4 @@
-"""A preset's shapes (engine.model.config.PRESETS) as files llama.cpp runs: a checkpoint with
+"""A preset's shapes (engine.model.presets.PRESETS) as files llama.cpp runs: a checkpoint with
 random bf16 weights and the bundled tokenizer (the config's vocabulary is larger: the
 converter pads it), converted to an f16 GGUF by llama.cpp's own converter, then quantized by
 its `llama-quantize`. Qwen3.5's MTP module is kept (llama.cpp drafts with it:
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.bundled import bundled_model_dir
-from engine.model.config import PRESETS
+from engine.model.presets import PRESETS
 from engine.model.transformer import Transformer
 from engine.model.weights import save_model
 from tests.peers.llama import _CONVERT, LLAMA_DIR, installed
