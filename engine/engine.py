@@ -22,6 +22,7 @@ from engine.cache.kv import span_of
 from engine.cache.slots import Caches, Slot, SlotTable
 from engine.decode import draft_vocab as reduced
 from engine.decode.draft import catch_up, draft_chain
+from engine.decode.forced import ForcedStarts
 from engine.decode.policy import KPolicy
 from engine.decode.prefill import PrefillRow, first_tokens, kv_blocks, prefill
 from engine.decode.sampling import RowSampling
@@ -105,7 +106,7 @@ class Engine:
         self.drafting = Drafting(self.policy, self.state, self.k_max)
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
         self.model_dir: Path | None = None  # where it was loaded from, if from files
-        self._masks: dict[str, torch.Tensor] = {}
+        self.forced = ForcedStarts(tokenizer, model.cfg.vocab_size, self.device)  # healing
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
@@ -158,14 +159,6 @@ class Engine:
     def text_prompt(self, text: str) -> recipe.Prompt:
         """The prompt that continues `text` (see `prompt.continuation`)."""
         return recipe.continuation(self.tokenizer, text)
-
-    def tokens_starting_with(self, text: str) -> torch.Tensor | None:
-        """A mask of the vocabulary's tokens whose text starts with `text` (None for "")."""
-        if text and text not in self._masks:
-            mask = torch.zeros(vocab := self.model.cfg.vocab_size, dtype=torch.bool)
-            mask[[i for i in self.tokenizer.ids_starting_with(text) if i < vocab]] = True
-            self._masks[text] = mask.to(self.device)
-        return self._masks[text] if text else None
 
     # Generations
 
@@ -264,7 +257,7 @@ class Engine:
                             seed=[g.sampling.seed for g in gens])
         if not restore:
             picked = first_tokens(self.model, self.caches, rows, self._sampling(index, gens),
-                                  self._allowed(gens))
+                                  self.forced.allowed([g.params.forced for g in gens]))
             for g, (tok, logp) in zip(gens, picked.tolist(), strict=True):
                 g.sequence.append(int(tok))
                 g.first_logprob = logp
@@ -382,13 +375,6 @@ class Engine:
         return RowSampling(self.state.temperature[rows], self.state.top_p[rows],
                            self.state.seed[rows], any(not g.sampling.greedy for g in gens),
                            any(g.sampling.top_p < 1 for g in gens))
-
-    def _allowed(self, gens: list[Generation]) -> torch.Tensor | None:
-        masks = [self.tokens_starting_with(g.params.forced) for g in gens]
-        if all(m is None for m in masks):
-            return None
-        every = torch.ones(self.model.cfg.vocab_size, dtype=torch.bool, device=self.device)
-        return torch.stack([every if m is None else m for m in masks])
 
     def calibrate(self) -> None:
         """Measure on this device which step shapes keep rows bit-identical, then the step
