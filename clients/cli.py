@@ -64,6 +64,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         result["peer"]["args"] = args.peer_args
     result["heldout_loss"] = heldout_loss(engine, files)
     result["model"] = str(model_dir(args)) + (" (without its MTP modules)" * args.without_mtp)
+    if engine.model.assistant is not None:  # drafting in the MTP modules' place
+        result["drafter"] = "assistant"
     result["workload"] = args.workload
     result["sources"] = sources
     result["device"] = str(engine.device)
@@ -307,16 +309,24 @@ def cmd_docstrings(args: argparse.Namespace) -> int:
 
 
 def cmd_new_model(args: argparse.Namespace) -> int:
-    from training.synthetic import write_checkpoint
+    from engine.model.presets import ASSISTANTS
+    from training.synthetic import write_assistant, write_checkpoint
 
     path = Path(args.dir)
-    if path.exists() and any(path.iterdir()) and not args.force:
-        raise CliError(f"{path} exists and is not empty (--force overwrites the model files)")
+    # a Gemma 4 preset's drafter goes beside the model (pass it as --draft-model)
+    assistant = path.with_name(path.name + "-assistant") if args.preset in ASSISTANTS else None
+    for out in (path, assistant):
+        if out and out.exists() and any(out.iterdir()) and not args.force:
+            raise CliError(f"{out} exists and is not empty (--force overwrites the model files)")
     print(f"writing a {args.preset} checkpoint to {path}"
           + (f" (training {args.train_steps} steps)" if args.train_steps else ""), file=sys.stderr)
-    write_checkpoint(path, args.preset, seed=args.seed, train_steps=args.train_steps,
-                     mtp_naming=args.naming)
+    cfg = write_checkpoint(path, args.preset, seed=args.seed, train_steps=args.train_steps,
+                           mtp_naming=args.naming)
     print(path)
+    if assistant is not None:
+        print(f"writing its assistant (random weights) to {assistant}", file=sys.stderr)
+        write_assistant(assistant, args.preset, cfg, seed=args.seed)
+        print(assistant)
     return 0
 
 
@@ -570,7 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
 
     new = sub.add_parser("new-model", help="write a small synthetic checkpoint (for trying "
-                         "ahead and for tests; random or briefly trained weights)")
+                         "ahead and for tests; random or briefly trained weights); a Gemma 4 "
+                         "preset (tiny-gemma4) also writes its assistant to DIR-assistant")
     new.add_argument("dir")
     new.add_argument("--preset", default="tiny-qwen3")
     new.add_argument("--train-steps", type=int, default=0)

@@ -124,6 +124,30 @@ def test_bench_engine_reports_every_mode(random_dir: Path, tmp_path: Path) -> No
     assert "load: weights" in proc.stdout and "step costs (compiling, capturing)" in proc.stdout
 
 
+def test_bench_engine_on_a_tiny_gemma4_and_its_assistant(tmp_path: Path) -> None:
+    """`ahead new-model --preset tiny-gemma4` writes a model and DIR-assistant beside it;
+    `bench engine --draft-model` drafts with the assistant and keeps the output plain
+    decoding's (bf16: exact where this CPU keeps rows bit-identical)."""
+    model, out = tmp_path / "g4", tmp_path / "bench.json"
+    proc = ahead("new-model", str(model), "--preset", "tiny-gemma4")
+    assert proc.returncode == 0, proc.stderr
+    assistant = tmp_path / "g4-assistant"
+    assert proc.stdout.split() == [str(model), str(assistant)]
+    proc = ahead("bench", "engine", "--model", str(model), "--draft-model", str(assistant),
+                 "--num-prompts", "2", "--ks", "2", "--k-max", "2", "--max-new-tokens", "8",
+                 "--drafts", "mtp", "--dtype", "bf16", "--max-seq-len", "512",
+                 "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    if not str(result["exact"]).startswith("on"):
+        pytest.skip(f"exact: {result['exact']}")
+    assert result["identical_to_ar"] is True
+    assert result["drafter"] == "assistant" and "assistant K=2" in proc.stdout
+    assert result["fixed"]["2"]["tokens_per_step"] >= 1  # the assistant's drafts, verified
+    assert result["acceptance_by_position"][0] is not None
+    assert "identical to autoregressive: True" in proc.stdout
+
+
 def test_new_model_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("mine")
     proc = ahead("new-model", str(tmp_path))

@@ -20,11 +20,13 @@ from engine import Engine, GenParams
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
 from engine.decode.assist import assist, assist_at
+from engine.model.assistant import AssistantConfig
 from engine.model.config import ConfigError
 from engine.model.weights import load_assistant, load_model
 from tests.conftest import load_exact
 from tests.gemma4 import WINDOW, F, S, write, write_assistant, write_tokenizer
 from tests.test_identity import run_batched
+from training import synthetic
 
 TOL = 2e-5
 TARGET = [S, S, F, S, F]
@@ -103,6 +105,30 @@ def test_drafts_logits_match_transformers(tmp_path: Path, head: str, length: int
     if head == "clustered":  # tokens outside the chosen clusters: the floor, the same
         floor = want[0].min()
         assert (want[0] == floor).sum() == 512 - 2 * 512 // 8
+
+
+def test_the_pair_new_model_writes_is_transformers_own(tmp_path: Path) -> None:
+    """`ahead new-model --preset tiny-gemma4`'s model and assistant (written by us, not by
+    transformers) load in transformers with every tensor named, and its drafts are ours."""
+    from transformers import Gemma4ForCausalLM
+    from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
+
+    cfg = synthetic.write_checkpoint(tmp_path / "t", "tiny-gemma4", seed=3)
+    written = synthetic.write_assistant(tmp_path / "a", "tiny-gemma4", cfg, seed=3)
+    assert AssistantConfig.from_file(tmp_path / "a" / "config.json") == written
+    target, info = Gemma4ForCausalLM.from_pretrained(tmp_path / "t", output_loading_info=True)
+    helper, helper_info = Gemma4AssistantForCausalLM.from_pretrained(
+        tmp_path / "a", output_loading_info=True)
+    assert not any(info.values()) and not any(helper_info.values()), (info, helper_info)
+    ours = load_model(tmp_path / "t")
+    ours.assistant = load_assistant(tmp_path / "a", ours.cfg)
+    seq = torch.randint(0, cfg.vocab_size, (2 * cfg.sliding_window + 5,),
+                        generator=torch.Generator().manual_seed(5)).tolist()
+    want_drafts, want = reference_drafts(target.eval(), helper.eval(), seq, 3)
+    got_drafts, got = our_drafts(ours, prefilled(ours, seq), seq, 3)
+    assert got_drafts == want_drafts
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=0, atol=TOL * 5 ** i)
 
 
 # The engine

@@ -3,20 +3,25 @@
 `write_checkpoint` writes a complete model directory (config.json, safetensors, tokenizer.json)
 for a preset, with random weights or briefly trained on a low-entropy synthetic language in
 which the MTP modules have something to predict, so acceptance is neither 0 nor 1.
+`write_assistant` writes a Gemma 4 preset's `-assistant` drafter for such a model.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sysconfig
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from engine import prompt as recipe
+from engine.model.assistant import Assistant, AssistantConfig
 from engine.model.config import ModelConfig
-from engine.model.presets import PRESETS
+from engine.model.presets import ASSISTANTS, PRESETS
 from engine.model.transformer import Transformer
 from engine.model.weights import save_model
 from engine.tokenizer import Tokenizer, save_tokenizer_dir, train_byte_level_bpe
@@ -145,4 +150,33 @@ def write_checkpoint(path: str | Path, preset: str = "tiny-qwen3", *, seed: int 
         vocab = [i for i in range(300, cfg.vocab_size) if i not in specials][:96]
         train_markov(model, vocab, steps=train_steps, seed=seed)
     save_model(model.eval(), path)
+    return cfg
+
+
+def write_assistant(path: str | Path, preset: str, target: ModelConfig, *,
+                    seed: int = 0) -> AssistantConfig:
+    """Write the preset's Gemma 4 assistant (ASSISTANTS) for `target`, as transformers lays
+    it out, with random weights: N(0, 0.02) matrices, the clustered head's token ordering a
+    random permutation. Its drafts are then rarely kept: it shows that drafting with it is
+    lossless, not a speed-up."""
+    if preset not in ASSISTANTS:
+        raise ValueError(f"preset {preset!r} has no assistant; those that do: "
+                         f"{', '.join(ASSISTANTS)}")
+    base = ASSISTANTS[preset]
+    cfg = replace(base, text=base.text.with_(vocab_size=target.vocab_size,
+                                             eos_token_ids=target.eos_token_ids))
+    gen = torch.Generator().manual_seed(seed + 1)  # not the target's draws
+    assistant = Assistant(cfg, target)
+    with torch.no_grad():
+        for p in assistant.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        if assistant.masked_embedding is not None:
+            order = torch.randperm(cfg.text.vocab_size, generator=gen)
+            assistant.masked_embedding.token_ordering.copy_(order)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
+    tensors = {n: t.detach().contiguous() for n, t in assistant.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return cfg

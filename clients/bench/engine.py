@@ -221,25 +221,27 @@ def _summary(modes: dict[str, GenParams], rates: dict[str, list[float | None]],
 
 
 def format_report(result: dict[str, Any]) -> str:
+    drafter = result.get("drafter", "MTP")  # the MTP modules, or an assistant in their place
     rows = [("autoregressive", result["ar"])]
-    rows += [(f"MTP K={k}", e) for k, e in result.get("fixed", {}).items()]
+    rows += [(f"{drafter} K={k}", e) for k, e in result.get("fixed", {}).items()]
     rows += [(name, result[mode]) for mode, name in (
-        ("adaptive", "MTP adaptive K"), ("context", "context drafts"),
+        ("adaptive", f"{drafter} adaptive K"), ("context", "context drafts"),
         ("both", "both, chosen live")) if mode in result]
-    lines = [f"{'mode':<18}{'tokens/s':>10}{'tokens/step':>13}{'vs AR':>8}"]
-    lines += [f"{name:<18}{e['tokens_per_s']:>10.1f}{e['tokens_per_step']:>13.2f}"
+    width = max(18, *(len(name) + 2 for name, _ in rows))
+    lines = [f"{'mode':<{width}}{'tokens/s':>10}{'tokens/step':>13}{'vs AR':>8}"]
+    lines += [f"{name:<{width}}{e['tokens_per_s']:>10.1f}{e['tokens_per_step']:>13.2f}"
               f"{e['speedup_vs_ar']:>7.2f}x" for name, e in rows]
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in result["acceptance_by_position"])
     if acc:  # of the largest fixed K run
         top = len(result["acceptance_by_position"])
-        lines.append(f"acceptance by draft position (MTP K={top}): {acc}")
+        lines.append(f"acceptance by draft position ({drafter} K={top}): {acc}")
     if "adaptive" in result:
         hist = " ".join(f"{k}:{v}" for k, v in result["adaptive"]["k_histogram"].items())
         lines.append(f"adaptive K histogram (K:steps): {hist}")
         vs = " ".join(f"K={k}:{r:.3f}" for k, r in result["adaptive"]["vs_fixed"].items())
         lines.append(f"adaptive / fixed K, median of per-prompt ratios: {vs or '-'}")
     if "both" in result:
-        vs = " ".join(f"{'MTP' if m == 'adaptive' else m}:{r:.3f}"
+        vs = " ".join(f"{drafter if m == 'adaptive' else m}:{r:.3f}"
                       for m, r in result["both"]["vs_single"].items())
         lines.append(f"both / one source, median of per-prompt ratios: {vs or '-'}")
         used = ", ".join(f"{src} {c['steps']} steps, {c['accepted']}/{c['drafted']} kept"

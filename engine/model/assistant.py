@@ -95,6 +95,19 @@ class AssistantConfig:
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that both ahead and transformers read back (all of its layers
+        reading the target's caches, as transformers has it)."""
+        text = self.text.to_hf()
+        text.update(num_kv_shared_layers=self.text.num_layers, hidden_size_per_layer_input=0,
+                    vocab_size_per_layer_input=0, architectures=None)
+        return {"architectures": ["Gemma4AssistantForCausalLM"],
+                "model_type": "gemma4_assistant", "text_config": text,
+                "backbone_hidden_size": self.backbone_hidden_size,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "use_ordered_embeddings": self.ordered, "num_centroids": self.num_centroids,
+                "centroid_intermediate_top_k": self.top_k, "torch_dtype": "float32"}
+
     def check_target(self, target: ModelConfig) -> None:
         """Raise ConfigError unless the assistant's queries fit the target's keys."""
         text = self.text
@@ -128,6 +141,8 @@ def _rope(cfg: ModelConfig) -> tuple[object, ...]:
 class CentroidHead(nn.Module):
     """Scores only the tokens of the top_k clusters whose centroids score h highest;
     `token_ordering` lists the token ids cluster by cluster."""
+
+    token_ordering: Tensor
 
     def __init__(self, cfg: AssistantConfig) -> None:
         super().__init__()
