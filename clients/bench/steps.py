@@ -2,9 +2,10 @@
 
 The model is built in memory with random weights (nothing is downloaded), so what is
 measured is the machinery, not the model: the prefill of a long prompt, the plain-decoding
-step and the step at each K, the kernels a step launches, the weight bytes a plain step
-reads against the device's own copy bandwidth measured in the same run, and that every
-speculative output equals plain decoding (alone, and with `slots` prompts batched).
+step and the step at each K (and a verify-only step of K: what drafting costs), the kernels
+a step launches, the weight bytes a plain step reads against the device's own copy bandwidth
+measured in the same run, and that every speculative output equals plain decoding (alone,
+and with `slots` prompts batched).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from clients.bench.engine import load_line
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
-from engine.model.presets import PRESETS
+from engine.model.assistant import Assistant
+from engine.model.presets import ASSISTANTS, PRESETS
 from engine.model.quant import describe, packed_weights
 from engine.model.transformer import Transformer
 from engine.tokenizer import Tokenizer
@@ -42,6 +44,8 @@ def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: in
     try:
         with torch.device(device):
             model = Transformer(PRESETS[name]).eval()
+            if name in ASSISTANTS:  # a Gemma 4 preset drafts with its assistant's shapes
+                model.assistant = Assistant(ASSISTANTS[name], model.cfg).eval()
     finally:
         torch.set_default_dtype(default)
     bundled = bundled_model_dir()
@@ -91,6 +95,8 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
         out["step_ms_by_k"][str(k)] = statistics.median(times) * 1e3
         out["tokens_per_s_by_k"][str(k)] = (len(tokens) - 1) / sum(times)
         out["tokens_per_step_by_k"][str(k)] = (len(tokens) - 1) / len(times)
+    out |= _draft_costs(engine, prompts[0], new_tokens, ks, out["step_ms_by_k"],
+                        out["ar_step_ms"])
     tokens, times = _timed(engine, prompts[0], _params(new_tokens))
     identical &= tokens == plain
     out["adaptive_tokens_per_s"] = (len(tokens) - 1) / sum(times)
@@ -118,6 +124,32 @@ def _params(new_tokens: int, **kw: Any) -> GenParams:
     """Every generation here runs its full length: random weights write an end token or fall
     into a loop anywhere, and a step is timed whatever its tokens."""
     return GenParams(new_tokens, stop_loops=False, ignore_eos=True, **kw)
+
+
+def _draft_costs(engine: Engine, prompt: list[int], new_tokens: int, ks: list[int],
+                 step_ms: dict[str, float], plain_ms: float) -> dict[str, Any]:
+    """What drafting costs: each K's step (verify K, draft K) less a verify step of K
+    (the same K drafts given, none made), per draft, and that as a share of a plain step."""
+    verify, per_draft = {}, {}
+    for k in ks:
+        verify[str(k)] = statistics.median(_verify_timed(engine, prompt, new_tokens, k)) * 1e3
+        per_draft[str(k)] = (step_ms[str(k)] - verify[str(k)]) / k
+    return {"verify_ms_by_k": verify, "draft_ms_by_k": per_draft,
+            "draft_share_by_k": {k: ms / plain_ms for k, ms in per_draft.items()}}
+
+
+def _verify_timed(engine: Engine, prompt: list[int], new_tokens: int, k: int) -> list[float]:
+    """Seconds of each verify step of K drafts given to it (any tokens cost the same)."""
+    engine.clear_cache("bench")
+    gen = engine.start(prompt, _params(new_tokens, k=0), slot="bench")
+    engine.step([gen])
+    times = []
+    while gen.finish_reason is None and gen.tokens_left() > k + 1:
+        engine.give_drafts(gen, [gen.sequence[-1]] * k)
+        t0 = time.perf_counter()
+        engine.step([gen])
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _prefill_s(engine: Engine, prompt: list[int]) -> float:
@@ -178,9 +210,12 @@ def _launches(engine: Engine, prompt: list[int], steps: int = 8) -> float:
 
 
 def _weight_bytes(model: Transformer) -> int:
-    """What one plain step reads: the trunk's weights and the head (not the MTP modules);
-    quantized, their codes and scales (a tied embedding then serves lookups only)."""
-    skip = {id(p) for p in model.mtp.parameters()}
+    """What one plain step reads: the trunk's weights and the head (not the MTP modules or
+    an assistant, nor Gemma 4's per-layer embeddings: a lookup reads one row); quantized,
+    their codes and scales (a tied embedding then serves lookups only)."""
+    per_layer = getattr(model.model, "embed_tokens_per_layer", None)
+    skip = {id(p) for m in (model.mtp, model.assistant, per_layer) if m is not None
+            for p in m.parameters()}
     packed = {name: w for name, w in packed_weights(model).items() if not name.startswith("mtp.")}
     if packed and model.cfg.tie_word_embeddings:
         skip.add(id(model.model.embed_tokens.weight))
@@ -215,6 +250,9 @@ def format_report(r: dict[str, Any]) -> str:
     by_k = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["step_ms_by_k"].items())
     rate_k = " ".join(f"K={k}:{t:.1f}" for k, t in r.get("tokens_per_s_by_k", {}).items())
     unit = "kernels" if r.get("device", "cpu").startswith("cuda") else "operators"
+    verify = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["verify_ms_by_k"].items())
+    per_draft = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["draft_ms_by_k"].items())
+    share = " ".join(f"K={k}:{x:.2f}" for k, x in r["draft_share_by_k"].items())
     lines = [
         f"{r.get('preset', 'model')} on {r.get('device')} {r.get('dtype')} (quant "
         f"{r.get('quant', 'none')}): context "
@@ -222,6 +260,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"prefill of {r['context']} tokens: {r['prefill_ms']:.1f} ms",
         f"plain decoding step: {r['ar_step_ms']:.2f} ms ({r['ar_tokens_per_s']:.1f} tokens/s)",
         f"step ms by K: {by_k}",
+        f"verify-only step ms by K (K drafts given, none made): {verify}",
+        f"draft ms per token by K (step - verify-only) / K: {per_draft} "
+        f"(share of a plain step: {share})",
         f"tokens/s by K: {rate_k}",
         f"adaptive K: {r['adaptive_tokens_per_s']:.1f} tokens/s",
         f"{unit} per plain step: {r['launches_per_ar_step']:.0f}",
