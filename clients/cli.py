@@ -169,6 +169,17 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_backend_args(parser: argparse.ArgumentParser) -> None:
+    """A bench's choice of backend, read by `_serve_args`."""
+    parser.add_argument("--backend", choices=BACKENDS, default="local",
+                        help="openai: the daemon in front of the server at --url")
+    parser.add_argument("--url", help="the remote server's API, e.g. http://127.0.0.1:8080/v1")
+    parser.add_argument("--tokenizer", help="the served model's tokenizer directory "
+                        "(default: --model's)")
+    parser.add_argument("--served-model", help="the model name the server serves")
+    parser.add_argument("--fim-template", choices=FIM_TEMPLATES)
+
+
 def _serve_args(args: argparse.Namespace) -> list[str]:
     """The bench daemon's backend: the local engine, or (`--backend openai`) the server at
     --url, with prompts built by --model's tokenizer."""
@@ -457,13 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--seed", type=int, default=0)
     pipe.add_argument("--rounds", type=int, default=3,
                       help="bursts from new cursor positions, pooled (default: 3)")
-    pipe.add_argument("--backend", choices=BACKENDS, default="local",
-                      help="openai: the daemon in front of the server at --url")
-    pipe.add_argument("--url", help="the remote server's API, e.g. http://127.0.0.1:8080/v1")
-    pipe.add_argument("--tokenizer", help="the served model's tokenizer directory "
-                      "(default: --model's)")
-    pipe.add_argument("--served-model", help="the model name the server serves")
-    pipe.add_argument("--fim-template", choices=FIM_TEMPLATES)
+    _remote_backend_args(pipe)
     pipe.add_argument("--json", help="write the results to this file")
     pipe.set_defaults(func=cmd_bench_pipeline)
     typ = bench_sub.add_parser("typist", help="a person writing code through the language "
@@ -482,13 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="how long the person reads a suggestion before taking it")
     typ.add_argument("--budget-ms", type=int, default=2000,
                      help="the language server's time budget per suggestion")
-    typ.add_argument("--backend", choices=BACKENDS, default="local",
-                     help="openai: the daemon in front of the server at --url")
-    typ.add_argument("--url", help="the remote server's API, e.g. http://127.0.0.1:8080/v1")
-    typ.add_argument("--tokenizer", help="the served model's tokenizer directory "
-                     "(default: --model's)")
-    typ.add_argument("--served-model", help="the model name the server serves")
-    typ.add_argument("--fim-template", choices=FIM_TEMPLATES)
+    _remote_backend_args(typ)
     typ.add_argument("--json", help="write the results to this file")
     typ.set_defaults(func=cmd_bench_typist)
     lspb = bench_sub.add_parser("lsp", help="the language server's own time per completion")
