@@ -139,11 +139,10 @@ class Requests:
                   listener: Listener) -> Job | None:
         """A prefetch: nothing to do where the document's last completion already has more
         to say at that cursor (its rest will answer); else a job for later requests."""
-        last, ahead = self._last.get(key), self._ahead.get(key)
+        last = self._last.get(key)
         if last is None or last.job.live or _typed(last, req) is not None or \
-                (ahead is not None and _same_place(ahead, req) and ahead.job.cancelled is None
-                 and ahead.job.finish_reason not in ("error", "deadline")):
-            listener.done(_nothing(req))  # (or the same prefetch again: it stands)
+                _typed(self._ahead.get(key), req) is not None:
+            listener.done(_nothing(req))  # (or the prefetch there already: it stands)
             return None
         self.prefetches += 1
         job = self.run(self._work(key, req), listener, priority=req.priority,
@@ -210,10 +209,6 @@ def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
         if same_before and new[len(new) - t:] == text[:t]:
             return (job, text[:t]) if job.live or t == 0 or text[t:].strip() else None
     return None
-
-
-def _same_place(last: _Last, req: p.Complete) -> bool:
-    return last.suffix == req.suffix and last.prefix[-_OVERLAP:] == req.prefix[-_OVERLAP:]
 
 
 def _nothing(req: p.Complete) -> Job:
