@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -191,15 +190,15 @@ async def bench_typist(model: Path, files: list[Path], *, cps: float = 8.0, char
     args = ["--model", str(model), "--idle-timeout", "600", "--no-watch", *(serve_args or [])]
     written: dict[str, list[Writing]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as rt:
-        env = {**os.environ, "AHEAD_RUNTIME_DIR": rt}
-        os.environ["AHEAD_RUNTIME_DIR"] = rt  # a private daemon, not the user's
+        os.environ["AHEAD_RUNTIME_DIR"] = rt  # a private daemon, not the user's (the
+        #                                       servers started below inherit it)
         control = Client(serve_args=args, client_name="bench")
         servers: dict[str, LanguageClient] = {}
         try:
             await control.connect()
             backend = (await control.status())["backend"]
             for mode in MODES:
-                servers[mode] = await _server(env, model, mode == MODES[0], budget_ms)
+                servers[mode] = await _server(model, mode == MODES[0], budget_ms)
             for i, file in enumerate(files):
                 above, target = stretch(file.read_text(encoding="utf-8"), start, chars)
                 for mode in MODES if i % 2 == 0 else MODES[::-1]:
@@ -228,15 +227,14 @@ async def bench_typist(model: Path, files: list[Path], *, cps: float = 8.0, char
     return result
 
 
-async def _server(env: dict[str, str], model: Path, prefetch: bool,
-                  budget_ms: int) -> LanguageClient:
+async def _server(model: Path, prefetch: bool, budget_ms: int) -> LanguageClient:
     client = LanguageClient("ahead-typist", "1")
 
     @client.feature("ahead/didChangeStatus")
     def on_status(_client: object, params: object) -> None:
         pass  # the server's state: ready from the first answer on (the daemon is up)
 
-    await client.start_io(sys.executable, "-m", "clients.cli", "lsp", env=env)
+    await client.start_io(sys.executable, "-m", "clients.cli", "lsp")
     await client.initialize_async(types.InitializeParams(
         capabilities=types.ClientCapabilities(),
         initialization_options={"model": str(model), "budgetMs": budget_ms,
@@ -293,12 +291,8 @@ def summary(ws: list[Writing]) -> dict[str, Any]:
 
 
 def _p50_p90(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
     p = percentiles(values)
-    q = statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 \
-        else values[0]
-    return {"p50": p["p50"], "p90": round(q, 1), "n": len(values)}
+    return {k: p[k] for k in ("p50", "p90", "n") if k in p}
 
 
 def format_report(r: dict[str, Any]) -> str:
