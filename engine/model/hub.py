@@ -44,7 +44,11 @@ def snapshot(name: str, *, revision: str | None = None, needs: str = "config.jso
     if not _NAME.match(name):
         raise ModelNotFound(f"{name!r} is not a model name of the form org/name")
     cache = hf_hub_cache(env)
-    repo = cache / ("models--" + name.replace("/", "--"))
+    return _in_repo(cache / ("models--" + name.replace("/", "--")), name, revision, needs, cache)
+
+
+def _in_repo(repo: Path, name: str, revision: str, needs: str, cache: Path) -> Path:
+    """The snapshot directory of a cached repo at `revision` that has the file `needs`."""
     ref = repo / "refs" / revision
     if ref.is_file():
         commit = ref.read_text(encoding="utf-8").strip()
@@ -93,21 +97,18 @@ def assistant_for(model: str | Path, draft_model: str | Path | None = None,
         return resolve_model(draft_model, env)
     path = Path(model).expanduser()
     if path.is_dir():  # <cache>/models--org--name/snapshots/<commit>
-        if path.parent.name != "snapshots" or not path.parent.parent.name.startswith("models--"):
+        repo = path.parent.parent
+        if path.parent.name != "snapshots" or not repo.name.startswith("models--"):
             return None
-        return _main_snapshot(path.parent.parent.with_name(path.parent.parent.name +
-                                                           ASSISTANT_SUFFIX))
-    name = str(model).split("@", 1)[0]
-    if not is_model_name(name):
+        cache = repo.parent
+        repo = repo.with_name(repo.name + ASSISTANT_SUFFIX)
+    else:
+        name = str(model).split("@", 1)[0]
+        if not is_model_name(name):
+            return None
+        cache = hf_hub_cache(env)
+        repo = cache / ("models--" + name.replace("/", "--") + ASSISTANT_SUFFIX)
+    try:
+        return _in_repo(repo, repo.name, "main", "config.json", cache)
+    except ModelNotFound:
         return None
-    return _main_snapshot(hf_hub_cache(env) / ("models--" + name.replace("/", "--") +
-                                               ASSISTANT_SUFFIX))
-
-
-def _main_snapshot(repo: Path) -> Path | None:
-    """The snapshot a cached repo's main branch points at, if it has a config.json."""
-    ref = repo / "refs" / "main"
-    if not ref.is_file():
-        return None
-    found = repo / "snapshots" / ref.read_text(encoding="utf-8").strip()
-    return found if (found / "config.json").is_file() else None
