@@ -51,10 +51,12 @@ class Engine:
                  graphs: bool | None = None, exact: bool | None = None,
                  fixed_shapes: bool | None = None, quant: str = "none",
                  quant_cache: QuantCache | None = None, calibration: CalibrationStore | None = None,
-                 draft_vocab: int = reduced.SIZE, drafts: str = "both") -> None:
+                 draft_vocab: int = reduced.SIZE, drafts: str = "both",
+                 rings: bool = True) -> None:
         """`quant`: quantized matmuls (model/quant.py), codes kept in `quant_cache`; what
         `calibrate()` measures is kept in `calibration`; drafts score `draft_vocab` tokens,
-        and come from `drafts` unless a generation says otherwise (decode/sources.py)."""
+        and come from `drafts` unless a generation says otherwise (decode/sources.py);
+        `rings` False: sliding-window layers keep caches as long as the context (cache/ring.py)."""
         if drafts not in DRAFTS:
             raise ValueError(f"drafts must be one of {', '.join(DRAFTS)}, got {drafts!r}")
         self.draft_sources = drafts
@@ -81,9 +83,9 @@ class Engine:
         self.load_seconds: dict[str, float] = {}  # where loading went: Engine.load, calibrate
         # One slot more than asked for: padding rows run in it (see `_run`).
         self.caches = Caches(model, slots + 1, self.max_seq_len, scratch=2 * self.width + 1,
-                             widest=self.width)
+                             widest=self.width, rings=rings)
         self.slots = SlotTable(slots, self.max_seq_len, recurrent=model.cfg.hybrid,
-                               checkpoints=self.caches.checkpoints)
+                               checkpoints=self.caches.checkpoints, ring=self.caches.ring)
         self.state = DecodeState(slots + 1, self.k_max, model.cfg.vocab_size, self.device)
         self._pad_slot = slots
         # How the step runs: eager, compiled, or replayed as CUDA graphs (by default on CUDA).
@@ -115,7 +117,8 @@ class Engine:
              exact: bool | None = None, fixed_shapes: bool | None = None,
              quant: str = "none", quant_cache: Path | None = None,
              draft_vocab: int = reduced.SIZE, drafts: str = "both",
-             mtp: bool = True, draft_model: str | Path | None = None) -> Engine:
+             mtp: bool = True, draft_model: str | Path | None = None,
+             rings: bool = True) -> Engine:
         """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it);
         `mtp` False: the trunk without its MTP modules or draft model (drafts from the
         context alone); `draft_model`: a Gemma 4 assistant (a directory or a name) drafting
@@ -137,7 +140,7 @@ class Engine:
         engine = cls(model, Tokenizer.from_dir(model_dir), max_seq_len=max_seq_len,
                      k_max=k_max, slots=slots, compile=compile, graphs=graphs, exact=exact,
                      fixed_shapes=fixed_shapes, quant=quant, calibration=store,
-                     draft_vocab=draft_vocab, drafts=drafts,
+                     draft_vocab=draft_vocab, drafts=drafts, rings=rings,
                      quant_cache=QuantCache(quant_cache or cache_dir("quant"), Path(model_dir)))
         engine.model_dir = Path(model_dir)
         engine.load_seconds["weights"] = time.perf_counter() - t0  # quantizing included

@@ -76,7 +76,7 @@ def test_checkpoints_are_allocated_for_recurrent_layers_only_and_counted() -> No
     hybrid = Transformer(PRESETS["tiny-qwen3.5"]).eval()
     none, four = (Caches(hybrid, num_slots=2, max_seq_len=64, scratch=0, checkpoints=n)
                   for n in (0, 4))
-    assert four.checkpoints == 4 and four.ring == 2
+    assert four.checkpoints == 4 and four.snapshots == 2
     assert four.state_nbytes() == 3 * none.state_nbytes()  # (2 + 4) states, not 2
     assert four.nbytes() - none.nbytes() == 2 * none.state_nbytes()
     dense = Caches(Transformer(PRESETS["tiny-llama"]).eval(), num_slots=2, max_seq_len=64,

@@ -15,7 +15,7 @@ from daemon.backends.local import step_mode
 from engine import Engine, GenParams
 from engine.model.block import run_block
 from tests.conftest import CHAIN_VOCAB, load_exact
-from training.synthetic import write_checkpoint
+from training.synthetic import write_assistant, write_checkpoint
 
 
 @pytest.mark.slow
@@ -96,7 +96,7 @@ def compiled_variants(engine: Engine) -> int:
 def test_compiled_blocks_in_a_hybrid_model(tmp_path: Path) -> None:
     """Qwen3.5's full-attention blocks (output gate, offset norms, partial rotary) run
     compiled and its Gated DeltaNet blocks eager: the tokens are the eager engine's."""
-    from training.synthetic import write_checkpoint
+    from training.synthetic import write_assistant, write_checkpoint
 
     write_checkpoint(tmp_path, "tiny-qwen3.5", train_steps=20, seed=0, mtp_naming="mtp")
     engines = [Engine.load(tmp_path, max_seq_len=256, k_max=4, slots=2, compile=c)
@@ -131,13 +131,19 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(params=["tiny-qwen3", "tiny-qwen3.5"])
+@pytest.fixture(params=["tiny-qwen3", "tiny-qwen3.5", "tiny-gemma4"])
 def any_family(request: pytest.FixtureRequest, trained_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A dense checkpoint, and a hybrid one (Gated DeltaNet layers, their state ring)."""
+    """A dense checkpoint, a hybrid one (Gated DeltaNet layers, their state ring), and a
+    Gemma 4 one with its assistant beside it at `<dir>-assistant` (sliding-window rings, KV
+    sharing, the assistant drafting in the modules' place)."""
     if request.param == "tiny-qwen3":
         return trained_dir
-    path = tmp_path_factory.mktemp("hybrid")
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "tiny-gemma4":
+        cfg = write_checkpoint(path, request.param, seed=0)
+        write_assistant(path.with_name(path.name + "-assistant"), request.param, cfg, seed=0)
+        return path
     write_checkpoint(path, request.param, train_steps=10, seed=0, mtp_naming="mtp")
     return path
 
@@ -147,11 +153,16 @@ def test_the_fixed_shape_step_never_waits_on_the_device(any_family: Path) -> Non
     acceptance, draft chain) checked on the CPU: greedy, sampled and nucleus rows, fixed and
     adaptive K, plain steps and drafting ones, make no op that reads a value back to the host
     or copies one to the device (on the H100, `[slots] = 0` failed every capture)."""
-    from engine.model.weights import load_model
+    from engine.model.weights import load_assistant, load_model
     from engine.tokenizer import Tokenizer
 
-    engine = Engine(load_model(any_family), Tokenizer.from_dir(any_family), max_seq_len=256,
+    model = load_model(any_family)
+    helper = any_family.with_name(any_family.name + "-assistant")
+    if helper.is_dir():
+        model.assistant = load_assistant(helper, model.cfg)
+    engine = Engine(model, Tokenizer.from_dir(any_family), max_seq_len=256,
                     slots=3, compile=False, fixed_shapes=True)
+    assert engine.mtp  # modules or the assistant draft in the step
     engine.calibrate()
     modes: list[HostSyncs] = []
     step = engine._call_step
@@ -165,7 +176,8 @@ def test_the_fixed_shape_step_never_waits_on_the_device(any_family: Path) -> Non
     engine._call_step = traced  # type: ignore[method-assign]
     params = [GenParams(24, k=None), GenParams(24, k=3, temperature=0.8, seed=1),
               GenParams(24, k=8, temperature=0.7, top_p=0.9, seed=2)]
-    gens = [engine.start([5, 6, 7, 8 + i], p, slot=i) for i, p in enumerate(params)]
+    prompt = [5, 6, 7] * 30  # past the ring of a sliding window (Gemma 4)
+    gens = [engine.start([*prompt, 8 + i], p, slot=i) for i, p in enumerate(params)]
     while running := [g for g in gens if g.finish_reason is None]:
         engine.step(running)
     engine.generate([5, 6, 7], GenParams(8, speculative=False))  # steps that draft nothing

@@ -260,17 +260,66 @@ def test_three_slots_equal_each_ones_plain_decoding(engine: Engine) -> None:
         assert run_batched(engine, ps, params) == alone, ks
 
 
+@pytest.fixture(scope="module")
+def full_length(engine: Engine, gemma_dir: Path) -> Engine:
+    """The engine's twin whose sliding-window layers keep caches as long as the context."""
+    return load_exact(gemma_dir, dtype=engine.dtype, max_seq_len=256, k_max=K_MAX, slots=3,
+                      rings=False)
+
+
+def test_sliding_layers_keep_rings_of_their_window_and_a_prefill_pass(
+        engine: Engine, full_length: Engine) -> None:
+    ring = engine.caches.ring
+    assert ring is not None and full_length.caches.ring is None
+    assert (ring.need, ring.size, engine.caches.chunk) == (WINDOW + 1, WINDOW + 1 + 64, 64)
+    rings = engine.caches.rings()
+    assert len(rings) == 2  # the unshared sliding layers'; the shared one reads the last
+    assert all(c.k.shape[2] == ring.size + 1 for c in rings)
+    full = full_length.caches
+    saved = sum(c.k.nbytes + c.v.nbytes for c in full.kv_caches()) - \
+        sum(c.k.nbytes + c.v.nbytes for c in engine.caches.kv_caches())
+    assert saved > 0 and engine.caches.nbytes() == full.nbytes() - saved + \
+        sum(c.saved_k.nbytes + c.saved_v.nbytes for c in rings)
+
+
 @pytest.mark.parametrize("k", [None, K_MAX])
-def test_a_shared_prefix_past_the_window_gives_what_an_empty_slot_gives(
-        engine: Engine, k: int | None) -> None:
+def test_a_shared_prefix_past_the_window_gives_what_full_length_caches_give(
+        engine: Engine, full_length: Engine, k: int | None) -> None:
+    """Rolling a slot back within its rings: the bits of caches as long as the context (the
+    first prompt and its answer run past the ring's length, so it has wrapped)."""
     gen = torch.Generator().manual_seed(11)
     old = torch.randint(270, 300, (90,), generator=gen).tolist()
     new = old[:60] + torch.randint(300, 330, (15,), generator=gen).tolist()
     params = GenParams(24, k=k, ignore_eos=True, stop_loops=False)
+    outputs = []
+    for e in (engine, full_length):
+        e.clear_cache("typing")
+        first = e.generate(old, params, slot="typing")
+        # stable=60: no checkpoint to save past the cut, so both run the same passes
+        got = e.generate(new, params, slot="typing", stable=60)
+        assert got.stats.reused_tokens == 59 > 4 * WINDOW
+        outputs.append((first.tokens, first.logprobs, got.tokens, got.logprobs))
+    assert len(old) + 24 > engine.caches.ring.size  # type: ignore[union-attr]
+    assert outputs[0] == outputs[1]
+
+
+def test_a_cut_further_back_than_the_rings_hold_resumes_from_a_checkpoint(
+        engine: Engine, full_length: Engine) -> None:
+    """The keys before 149 are gone from the rings: the slot resumes from the window saved
+    after 128 (the passes a fresh prefill runs from there on, so the same bits); caches as
+    long as the context roll back to 149."""
+    gen = torch.Generator().manual_seed(12)
+    old = torch.randint(270, 300, (200,), generator=gen).tolist()
+    new = old[:150] + torch.randint(300, 330, (20,), generator=gen).tolist()
+    params = GenParams(16, k=K_MAX, ignore_eos=True, stop_loops=False)
     engine.clear_cache("typing")
     engine.generate(old, params, slot="typing")
+    assert sorted(engine.slots.get("typing").saved) == [0, 64, 128, 192]
     got = engine.generate(new, params, slot="typing")
-    assert got.stats.reused_tokens == 59 > 4 * WINDOW
+    assert got.stats.reused_tokens == 128
     engine.clear_cache("fresh")
     want = engine.generate(new, params, slot="fresh")
     assert (got.tokens, got.logprobs) == (want.tokens, want.logprobs)
+    full_length.clear_cache("typing")
+    full_length.generate(old, params, slot="typing")
+    assert full_length.generate(new, params, slot="typing").stats.reused_tokens == 149

@@ -184,7 +184,8 @@ def params(n: int, k: int | None = None, **kw: object) -> GenParams:
 def test_the_steps_drafts_are_the_references(tmp_path: Path) -> None:
     """A random pair (drafts nearly all rejected: the keys the verify wrote past the
     pending token must not be seen): after every step, the drafts waiting are those
-    transformers' chain makes from the same sequence."""
+    transformers' chain makes from the same sequence, also once the target's sliding-window
+    rings have wrapped (cache/ring.py)."""
     from transformers import Gemma4ForCausalLM
     from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
 
@@ -195,9 +196,11 @@ def test_the_steps_drafts_are_the_references(tmp_path: Path) -> None:
     helper = Gemma4AssistantForCausalLM.from_pretrained(tmp_path / "a").eval()
     engine = Engine.load(tmp_path / "t", draft_model=tmp_path / "a", k_max=K_MAX, slots=2,
                          drafts="mtp", max_seq_len=256)
+    ring = engine.caches.ring
+    assert ring is not None and ring.size < 40 + 48
     checked = 0
     for prompt in prompts(2):
-        gen = engine.start(prompt, params(24, K_MAX))
+        gen = engine.start(prompt, params(48, K_MAX))
         for _ in gen:
             drafts = engine.drafts(gen.slot)
             if drafts and gen.finish_reason is None:
@@ -322,7 +325,8 @@ def test_the_flag_and_the_config_key_reach_the_engine_and_status_shows_its_memor
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`--draft-model` (as `ahead serve` and the CLI take it), else the config key
     `draft_model` (here through AHEAD_DRAFT_MODEL); the flag is passed on to a daemon the
-    command starts; `ahead status` shows the assistant's parameter memory."""
+    command starts; `ahead status` shows the assistant's parameter memory, and the target's
+    sliding-window rings'."""
     import argparse
 
     from clients.common import add_model_args, load_engine, serve_args
@@ -337,9 +341,13 @@ def test_the_flag_and_the_config_key_reach_the_engine_and_status_shows_its_memor
     assert serve_args(args)[2:4] == ["--draft-model", str(assistant)]
     engine = load_engine(args)
     assert engine.model.assistant is not None
-    mib = LocalBackend(engine).status()["draft_model_mib"]
-    assert mib == round(engine.model.assistant.nbytes() / (1 << 20), 1) and \
-        engine.model.assistant.nbytes() > 4 * VOCAB * 32  # its tied head, at least
+    status = LocalBackend(engine).status()
+    assert status["draft_model_mib"] == round(engine.model.assistant.nbytes() / (1 << 20), 1) \
+        and engine.model.assistant.nbytes() > 4 * VOCAB * 32  # its tied head, at least
+    ring = engine.caches.ring
+    assert ring is not None and status["ring_entries"] == ring.size
+    assert status["ring_mib"] == round(engine.caches.ring_nbytes() / (1 << 20), 2) and \
+        status["ring_checkpoints_per_slot"] == 4
     assert load_engine(parser.parse_args(flags)).model.assistant is None
     monkeypatch.setenv("AHEAD_DRAFT_MODEL", str(assistant))
     assert load_engine(parser.parse_args(flags)).model.assistant is not None

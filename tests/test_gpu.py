@@ -99,3 +99,28 @@ def test_context_drafts_in_replayed_steps_equal_plain_decoding(graphed: Engine) 
             graphed.step(live)
         assert [g.tokens for g in gens] == alone, drafts
         assert sum(g.stats.by_source.get("context", [0, 0, 0])[2] for g in gens) > 0
+
+
+def test_gemma4_with_its_assistant_replays_as_graphs(tmp_path: Path) -> None:
+    """A tiny Gemma 4 (sliding-window rings, KV sharing, per-layer inputs) with its
+    assistant drafting inside the captured step: replayed steps give the eager fixed-shape
+    step's tokens and drafts, and speculative output equals plain decoding, past the rings'
+    length."""
+    from training.synthetic import write_assistant, write_checkpoint
+
+    cfg = write_checkpoint(tmp_path / "g4", "tiny-gemma4", seed=0)
+    write_assistant(tmp_path / "g4-assistant", "tiny-gemma4", cfg, seed=0)
+    kw = {"draft_model": tmp_path / "g4-assistant", "compile": False}
+    graphed = load(tmp_path / "g4", graphs=True, **kw)
+    eager = load(tmp_path / "g4", graphs=False, fixed_shapes=True, **kw)
+    ring = graphed.caches.ring
+    assert graphed.model.assistant is not None and ring is not None
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 400, (n,), generator=gen).tolist() for n in (90, 40, 120)]
+    assert trace(graphed, prompts, (1, 4, 8)) == trace(eager, prompts, (1, 4, 8))
+    assert graphed.captured > 0
+    alone = [graphed.generate(p, GenParams(40, speculative=False), slot="alone").tokens
+             for p in prompts]
+    assert len(prompts[2]) + 40 > ring.size
+    params = [GenParams(40, k=k) for k in (None, 3, 8)]
+    assert run_batched(graphed, prompts, params) == alone

@@ -195,3 +195,39 @@ def test_the_delta_rule_runs_in_the_cache_ring_as_the_recurrent_form_does() -> N
         assert one is not None and torch.equal(one, window[:, :, t:t + 1])
         assert torch.equal(cache.state[slots[1:], (index[slots[1:]] + 1) % ring], after[:, t])
         index[slots[1:]] = (index[slots[1:]] + 1) % ring  # commit the position
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("top", "rows"), [(52, [[49, 50, 51], [47, 48, 51]]),
+                                           (5, [[2, 3, 4], [0, 1, 4]])],
+                         ids=["wrapped", "near-the-start"])
+def test_attention_over_a_ring_gives_the_bits_of_a_full_length_cache(
+        dtype: torch.dtype, top: int, rows: list[list[int]]) -> None:
+    """A sliding-window layer's ring (cache/ring.py) holds position t's key at entry
+    t mod size: the kernel reads the keys the full-length cache holds, in the same order,
+    and the ring's mask says what the torch path sees."""
+    from engine.cache.ring import ring_mask
+    from engine.model.attention import masked_attention
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, window, size, length = 4, 2, 32, 7, 11, 60
+    full_k = torch.randn(2, kv_heads, length, dim, generator=gen).to(dtype)
+    full_v = torch.randn(2, kv_heads, length, dim, generator=gen).to(dtype)
+    # The ring after writing positions 0..top-1 in order: entry e holds the last t with
+    # t mod size == e; the others (and entry `size`, the scratch one) hold noise.
+    ring_k = torch.randn(2, kv_heads, size + 1, dim, generator=gen).to(dtype)
+    ring_v = torch.randn(2, kv_heads, size + 1, dim, generator=gen).to(dtype)
+    for t in range(top):
+        ring_k[:, :, t % size], ring_v[:, :, t % size] = full_k[:, :, t], full_v[:, :, t]
+    q = torch.randn(2, heads, 3, dim, generator=gen).to(dtype)
+    pos = torch.tensor(rows)
+    want = native.attention(q, full_k, full_v, pos, None, window)
+    got = native.attention(q, ring_k, ring_v, pos, None, window, size)
+    assert got is not None and want is not None and torch.equal(got, want)
+    masked = masked_attention(q.float(), ring_k.float(), ring_v.float(),
+                              ring_mask(pos, window, size))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), masked, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="ring of 11 keys needs a window"):
+        native.attention(q, ring_k, ring_v, pos, None, size + 1, size)

@@ -78,8 +78,8 @@ def test_state_memory_is_k_max_plus_two_states_and_the_checkpoints_per_slot_and_
     per_state = (conv * (cfg.linear_conv_kernel - 1) * engine.model.model.embed_tokens.weight
                  .element_size() + cfg.linear_num_v_heads * cfg.linear_k_head_dim
                  * cfg.linear_v_head_dim * 4)
-    assert caches.ring == K_MAX + 2 and caches.checkpoints == 4
-    assert caches.state_nbytes() == (caches.num_slots * (caches.ring + caches.checkpoints)
+    assert caches.snapshots == K_MAX + 2 and caches.checkpoints == 4
+    assert caches.state_nbytes() == (caches.num_slots * (caches.snapshots + caches.checkpoints)
                                      * linear * per_state)
     assert caches.nbytes() > caches.state_nbytes()
 

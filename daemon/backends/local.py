@@ -97,7 +97,8 @@ class LocalBackend:
         """The slots' device memory, and the draft model's parameters where there is one;
         for hybrid models, the recurrent states' share of the slots' memory
         (conv and delta-rule states, k_max + 2 per slot and layer and the checkpoints that
-        prefix reuse resumes from: see cache/state.py)."""
+        prefix reuse resumes from: see cache/state.py); for models whose sliding-window
+        layers keep rings, the rings' share and entries (cache/ring.py)."""
         caches, mib = self.engine.caches, 1 << 20
         out: dict[str, Any] = {"cache_mib": round(caches.nbytes() / mib, 1)}
         assistant = self.engine.model.assistant
@@ -105,8 +106,12 @@ class LocalBackend:
             out["draft_model_mib"] = round(assistant.nbytes() / mib, 1)
         if self.engine.model.cfg.hybrid:
             out["recurrent_state_mib"] = round(caches.state_nbytes() / mib, 2)
-            out["state_snapshots_per_slot"] = caches.ring
+            out["state_snapshots_per_slot"] = caches.snapshots
             out["state_checkpoints_per_slot"] = caches.checkpoints
+        if caches.ring is not None:
+            out["ring_mib"] = round(caches.ring_nbytes() / mib, 2)
+            out["ring_entries"] = caches.ring.size
+            out["ring_checkpoints_per_slot"] = caches.checkpoints
         return out
 
     def _plan(self, jobs: list[Job]) -> list[Job]:

@@ -13,7 +13,10 @@ it are overwritten before they are ever attended to.
 A hybrid model's recurrent state cannot be rolled back that way (cache/state.py): a slot
 reuses it whole when the new sequence extends all it holds, or else resumes from one of its
 `checkpoints` saved states, whose positions the `Slot` records (the state after the first p
-tokens of the sequence it holds), or runs from the start.
+tokens of the sequence it holds), or runs from the start. Sliding-window layers keep rings
+(cache/ring.py) where those are shorter than the context: rolling back is free as long as
+the ring still holds the keys a forward from there reads, else a slot resumes from a saved
+window as from a recurrent state.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ import torch
 from torch import Tensor
 
 from engine.cache.kv import KEY_BLOCK, KVCache
+from engine.cache.ring import Ring, RingCache
 from engine.cache.state import StateCache, commit
-from engine.model.config import LINEAR
+from engine.model.config import LINEAR, SLIDING
 from engine.model.layers import rope_tables
 from engine.model.transformer import Transformer
+
+PREFILL_CHUNK = 512  # positions a prefill pass runs at most
+MIN_CHUNK = 64  # ... and at least, where a ring's size sets it (see `Caches`)
 
 
 class ContextOverflow(ValueError):
@@ -47,11 +54,17 @@ class Caches:
     """Every slot's device state, allocated once."""
 
     def __init__(self, model: Transformer, num_slots: int, max_seq_len: int,
-                 scratch: int, widest: int = 1, checkpoints: int = 4) -> None:
-        """`widest`: the most positions a verify keeps the recurrent state after (hybrid
-        models keep that many snapshots, and the committed state, per slot and layer);
-        `checkpoints`: the saved states per slot and layer that prefix reuse resumes from
-        (none for a model without recurrent layers)."""
+                 scratch: int, widest: int = 1, checkpoints: int = 4, rings: bool = True) -> None:
+        """`widest`: the most positions a verify writes (hybrid models keep the recurrent
+        state after each, and the committed one, per slot and layer); `checkpoints`: the
+        saved states per slot and layer that prefix reuse resumes from (none for a model
+        without recurrent layers or rings).
+
+        A model with sliding-window layers keeps rings for them where those are shorter
+        than the cache: of need + max(chunk, widest) entries (cache/ring.py), its prefill
+        passes `chunk` positions, the window's width within [MIN_CHUNK, PREFILL_CHUNK]
+        (a small window's ring stays small; a large one's passes stay long); `rings` False
+        keeps them as long as the cache."""
         cfg = model.cfg
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -64,24 +77,36 @@ class Caches:
 
         # Which recurrent-state snapshot each slot has committed (see cache/state.py).
         self.state_index = torch.zeros(num_slots, dtype=torch.long, device=self.device)
-        self.ring = widest + 1
-        self.checkpoints = checkpoints if cfg.hybrid else 0
+        self.snapshots = widest + 1  # recurrent states per slot and layer
+        window = cfg.sliding_window if SLIDING in cfg.layer_types else 0
+        self.chunk = min(PREFILL_CHUNK, max(MIN_CHUNK, window)) if window else PREFILL_CHUNK
+        need = window + 1  # the assistant's sliding layers see one key more
+        size = need + max(self.chunk, widest)
+        self.ring = Ring(size, need, widest) if rings and window and size + 1 < self.length \
+            else None
+        self.checkpoints = checkpoints if cfg.hybrid or self.ring else 0
 
         def state() -> StateCache:
-            return StateCache(num_slots, self.ring, 2 * cfg.linear_num_k_heads *
+            return StateCache(num_slots, self.snapshots, 2 * cfg.linear_num_k_heads *
                               cfg.linear_k_head_dim + cfg.linear_num_v_heads *
                               cfg.linear_v_head_dim, cfg.linear_conv_kernel,
                               cfg.linear_num_v_heads, cfg.linear_k_head_dim,
                               cfg.linear_v_head_dim, self.state_index, self.dtype,
                               self.checkpoints)
 
+        def attention(kind: str) -> KVCache:
+            own = cfg.for_kind(kind)  # Gemma 4's layer kinds differ in heads and head size
+            if kind == SLIDING and self.ring is not None:
+                return RingCache(num_slots, own.num_kv_heads, self.ring, own.head_dim,
+                                 self.device, self.dtype, self.length - 1, self.checkpoints)
+            return KVCache(num_slots, own.num_kv_heads, self.length, own.head_dim, self.device,
+                           self.dtype)
+
         self.trunk: list[KVCache | StateCache] = []
         for i, kind in enumerate(cfg.layer_types):
-            own = cfg.for_kind(kind)  # Gemma 4's layer kinds differ in heads and head size
             source = cfg.kv_sources[i]  # Gemma 4's KV-shared layers: an earlier one's cache
             self.trunk.append(self.trunk[source] if source != i else state() if kind == LINEAR
-                              else KVCache(num_slots, own.num_kv_heads, self.length,
-                                           own.head_dim, self.device, self.dtype))
+                              else attention(kind))
         self.modules = [layers(cfg.mtp_layers_per_module) for _ in range(model.num_mtp)]
         self.hidden = torch.zeros(num_slots, self.length, cfg.hidden_size, device=self.device,
                                   dtype=self.dtype)  # trunk output h_t, [S, T, H]
@@ -93,27 +118,34 @@ class Caches:
 
     def commit(self, slots: Tensor, n: Tensor) -> None:
         """Commit each slot's recurrent state after position n [B] of the last pass."""
-        commit(self.state_index, self.ring, slots, n)
+        commit(self.state_index, self.snapshots, slots, n)
 
     def clear_state(self, slots: Tensor) -> None:
         for cache in self.states():
             cache.clear(slots)
 
-    def save_state(self, slots: Tensor, entry: int) -> None:
-        """Keep each slot's committed recurrent state in its saved entry `entry`."""
+    def save_state(self, slots: Tensor, entry: int, position: int) -> None:
+        """Keep in saved entry `entry` what a forward from `position` reads: each slot's
+        committed recurrent state, the keys before it in the rings."""
         for cache in self.states():
             cache.save(slots, entry)
+        for ring in self.rings():
+            ring.save(slots, entry, position)
 
-    def restore_state(self, slots: Tensor, entry: int) -> None:
-        """Make each slot's saved entry `entry` its committed recurrent state."""
+    def restore_state(self, slots: Tensor, entry: int, position: int) -> None:
+        """Put back saved entry `entry` (made at `position`) for a forward from there."""
         for cache in self.states():
             cache.restore(slots, entry)
+        for ring in self.rings():
+            ring.restore(slots, entry, position)
 
     def nbytes(self) -> int:
         tensors = [self.hidden, self.cos, self.sin]
         for cache in [*self.kv_caches(), *(c for m in self.modules for c in m)]:
-            tensors += [cache.k, cache.v]
-        return sum(t.numel() * t.element_size() for t in tensors) + self.state_nbytes()
+            if not isinstance(cache, RingCache):
+                tensors += [cache.k, cache.v]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.state_nbytes() + \
+            self.ring_nbytes()
 
     def kv_caches(self) -> list[KVCache]:
         """The trunk's KV caches, each once (KV-shared layers hold an earlier layer's)."""
@@ -122,19 +154,30 @@ class Caches:
     def states(self) -> list[StateCache]:
         return [c for c in self.trunk if isinstance(c, StateCache)]
 
+    def rings(self) -> list[RingCache]:
+        return [c for c in self.kv_caches() if isinstance(c, RingCache)]
+
     def state_nbytes(self) -> int:
         """The recurrent states' memory: conv and delta-rule states with their snapshots and
         checkpoints."""
         return sum(c.nbytes() for c in self.states())
+
+    def ring_nbytes(self) -> int:
+        """The sliding-window layers' rings' memory, their saved windows included."""
+        return sum(c.nbytes() for c in self.rings())
 
 
 class Slot:
     """The host's record of one slot (see the module's docstring)."""
 
     def __init__(self, index: int, max_seq_len: int, recurrent: bool = False,
-                 checkpoints: int = 0) -> None:
+                 checkpoints: int = 0, ring: Ring | None = None) -> None:
         self.index, self.max_seq_len = index, max_seq_len
         self.recurrent = recurrent  # some layers keep a state that cannot be cut
+        self.ring = ring  # sliding-window layers keep rings (cache/ring.py)
+        # Since the rings last started over, the earliest position they hold and the
+        # furthest length held: what `Ring.keeps` needs.
+        self.floor = self.top = 0
         # Saved state entry i holds the state after the first saved[i] tokens of seq (0: none).
         self.saved = [0] * checkpoints
         self.seq: list[int] = []
@@ -164,30 +207,36 @@ class Slot:
 
     def reset(self) -> None:
         self.seq, self.length, self.mtp_len = [], 0, 0
+        self.floor = self.top = 0
         self.saved = [0] * len(self.saved)
         self.set_drafts([], [])
 
     def cut_to(self, tokens: list[int]) -> tuple[int, int | None]:
         """Keep only what `tokens` shares with the cached sequence: the position to run the
-        trunk from, and the saved state entry to resume the recurrent state from (None: the
-        committed one, or from nothing when the trunk runs from 0).
+        trunk from, and the saved entry to resume from (None: what the caches hold, or
+        nothing when the trunk runs from 0).
 
         Module entry t depends on x_{t+1}, so c common positions leave c - 1 reusable module
         entries, and the trunk restarts there too (it always runs the last token). The
         recurrent state is the one after all `length` positions, kept if they are all
-        common; else the latest saved one within the c - 1 (saved ones past c belong to the
-        old sequence: forgotten), or none."""
+        common; rings keep what a forward from c - 1 reads if it was not overwritten since
+        (`Ring.keeps`). Else the latest saved entry within the c - 1 (saved ones past c
+        belong to the old sequence: forgotten), or none."""
         common = min(common_prefix(self.held(), tokens), len(tokens))
         keep = max(0, common - 1)
-        start, entry = self._resume(common) if self.recurrent else (keep, None)
+        start, entry = self._resume(common, keep)
         self.mtp_len = min(self.mtp_len, keep, start)
         self.length = min(self.length, start)
+        if entry is not None or start == 0:  # the rings start over from the saved window
+            self.floor, self.top = max(0, start - self.ring.need) if self.ring else 0, start
         self.set_drafts([], [])
         return start, entry
 
-    def _resume(self, common: int) -> tuple[int, int | None]:
-        if common == self.length:
-            return self.length, None
+    def _resume(self, common: int, keep: int) -> tuple[int, int | None]:
+        start = self.length if self.recurrent else keep
+        if (not self.recurrent or common == self.length) and \
+                (self.ring is None or self.ring.keeps(start, self.floor, self.top)):
+            return start, None
         self.saved = [p if p <= common else 0 for p in self.saved]
         usable = [i for i, p in enumerate(self.saved) if 0 < p < common]
         entry = max(usable, key=self.saved.__getitem__, default=None)
@@ -204,23 +253,25 @@ class Slot:
         """The trunk entries of seq[:length] are written: this slot now holds `seq`."""
         self.seq, self.length = seq, length
         self.mtp_len = min(self.mtp_len, length)
+        self.top = max(self.top, length)
 
     def advance(self, n: int, modules: bool) -> None:
         """A step wrote the holder's next n positions (and the modules' too, if `modules`)."""
         if modules and self.mtp_len == self.length:
             self.mtp_len += n
         self.length += n
+        self.top = max(self.top, self.length)
 
 
 class SlotTable:
     """Slots by key, at most `size` of them; a new key recycles the least recently used."""
 
     def __init__(self, size: int, max_seq_len: int, recurrent: bool = False,
-                 checkpoints: int = 0) -> None:
+                 checkpoints: int = 0, ring: Ring | None = None) -> None:
         if size < 1:
             raise ValueError(f"need at least one KV-cache slot, got {size}")
         self.size = size
-        self._free = [Slot(i, max_seq_len, recurrent, checkpoints)
+        self._free = [Slot(i, max_seq_len, recurrent, checkpoints, ring)
                       for i in reversed(range(size))]
         self._slots: OrderedDict[Hashable, Slot] = OrderedDict()
 

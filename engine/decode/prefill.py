@@ -4,10 +4,11 @@ what it holds is kept), several slots in one pass, in chunks; then pick the firs
 Rows whose spans are shorter than the pass's widest are padded: their padding tokens sit at
 the cache's last (scratch) position, which no real query reads. A hybrid model's rows run one
 per pass (padding would enter the recurrent state), each chunk committing the state after
-its last position. A hybrid row resumes from the saved state its slot names (see
-`Slot.cut_to`), and its passes also end at the checkpoints: the latest multiples of EVERY
-tokens (as many as the slot keeps) in the part of the prompt that stays while the user types
-(`stable`), after each of which the committed state is saved for the next prompt to resume
+its last position, and so do the rows of a model whose sliding-window layers keep rings.
+Such a row resumes from the saved entry its slot names (see `Slot.cut_to`), and its passes
+also end at the checkpoints: the latest multiples of EVERY tokens (as many as the slot
+keeps) in the part of the prompt that stays while the user types (`stable`), after each of
+which the committed state and the rings' last keys are saved for the next prompt to resume
 from.
 """
 
@@ -43,10 +44,10 @@ def kv_blocks(n: int, limit: int, block: int = KEY_BLOCK) -> int:
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: int,
-            chunk: int = 512) -> list[int]:
-    """Make each row's slot hold the first n tokens of its sequence in its trunk cache.
-    Returns how many positions each reused. `spare`: room a row must leave after them."""
+def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: int) -> list[int]:
+    """Make each row's slot hold the first n tokens of its sequence in its trunk cache, in
+    passes of at most `caches.chunk` positions. Returns how many positions each reused.
+    `spare`: room a row must leave after them."""
     for r in rows:
         if r.n == 0:
             raise ValueError("empty prompt")
@@ -55,9 +56,10 @@ def prefill(model: Transformer, caches: Caches, rows: list[PrefillRow], spare: i
                                   f"{r.slot.max_seq_len} (with {spare} spare)")
     cuts = [r.slot.cut_to(r.seq[:r.n]) for r in rows]
     starts = [start for start, _ in cuts]
-    if model.cfg.hybrid:  # padding would enter a row's recurrent state: one row per pass
+    chunk = caches.chunk
+    if model.cfg.hybrid or caches.ring is not None:  # one row a pass, checkpoints kept
         for r, (start, entry) in zip(rows, cuts, strict=True):
-            _run_recurrent(model, caches, r, start, entry, chunk)
+            _run_resumable(model, caches, r, start, entry, chunk)
     else:
         longest = max(r.n - s for r, s in zip(rows, starts, strict=True))
         _run(model, caches, rows, starts, [min(chunk, longest - off)
@@ -73,13 +75,13 @@ def checkpoint_marks(start: int, end: int, count: int) -> list[int]:
     return list(range(end // EVERY * EVERY, start, -EVERY))[:count][::-1]
 
 
-def _run_recurrent(model: Transformer, caches: Caches, row: PrefillRow, start: int,
+def _run_resumable(model: Transformer, caches: Caches, row: PrefillRow, start: int,
                    entry: int | None, chunk: int) -> None:
-    """One row from `start`, from the saved state `entry` (None: the committed one, or none
-    from 0), in passes of at most `chunk` that end at each checkpoint, saved there."""
+    """One row from `start`, from the saved entry `entry` (None: what the caches hold, or
+    nothing from 0), in passes of at most `chunk` that end at each checkpoint, saved there."""
     slots = torch.tensor([row.slot.index], device=caches.device)
     if entry is not None:
-        caches.restore_state(slots, entry)
+        caches.restore_state(slots, entry, start)
     elif start == 0:
         caches.clear_state(slots)  # from the start: no state left by a previous holder
     marks = checkpoint_marks(start, min(row.stable, row.n), caches.checkpoints)
@@ -87,7 +89,7 @@ def _run_recurrent(model: Transformer, caches: Caches, row: PrefillRow, start: i
     for end in sorted({*marks, row.n}):
         _run(model, caches, [row], [off], [min(chunk, end - o) for o in range(off, end, chunk)])
         if end in marks:
-            caches.save_state(slots, row.slot.checkpoint(end))
+            caches.save_state(slots, row.slot.checkpoint(end), end)
         off = end
 
 

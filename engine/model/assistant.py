@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
 from engine.model.config import FULL, SLIDING, ConfigError, ModelConfig
-from engine.model.gemma4 import Gemma4Block, attention_masks
+from engine.model.gemma4 import Gemma4Block, attention_masks, ring_size
 from engine.model.layers import norm, rope_part
 
 Rope = tuple[Tensor, Tensor]
@@ -204,8 +204,10 @@ class Assistant(nn.Module):
         `seen`: the rows' slots, with pos the last position their queries see (one before
         the query's own); `caches`: the target's."""
         x = self.pre_projection(torch.cat([emb, h], dim=-1))  # [B, 1, Ha]
-        masks = attention_masks(seen, 1, self.window, x.device)
-        stash = {kind: _cache(caches[i]).read(seen) for kind, i in self.sources.items()}
+        stash = {kind: (*_cache(caches[i]).read(seen), ring_size(caches[i]))
+                 for kind, i in self.sources.items()}
+        ring = stash[SLIDING][2] if SLIDING in stash else 0
+        masks = attention_masks(seen, 1, self.window, x.device, ring)
         for layer, kind in zip(self.model.layers, self.cfg.text.layer_types, strict=True):
             x = layer(x, rope_part(self.target, kind, rope), masks[kind], stash, None, seen)
         return self.model.norm(x)

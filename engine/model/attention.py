@@ -88,15 +88,16 @@ class Attention(nn.Module):
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, batch: CacheBatch, scale: float | None = None,
-           window: int = 0, mask: Tensor | None = None) -> Tensor:
+           window: int = 0, mask: Tensor | None = None, ring: int = 0) -> Tensor:
     """`masked_attention` of a cached forward; on CPUs where our kernels run, theirs
     (engine/native/attention.c: the same softmax in fp32, each row over its own keys only,
     without torch's copies of the cache). Every cached forward takes the same path, prefill
     chunks too: a position's bits must not depend on whether a prompt's prefix was reused
     (then its last token runs alone) or prefilled with it. A sliding-window layer (Gemma 4)
-    gives its `window` and the `mask` that says the same."""
+    gives its `window` and the `mask` that says the same, and the size of its `ring` where
+    k and v are one (cache/ring.py)."""
     if q.device.type == "cpu" and native.available():
-        y = native.attention(q, k, v, batch.pos, scale, window)
+        y = native.attention(q, k, v, batch.pos, scale, window, ring)
         if y is not None:
             return y
     return masked_attention(q, k, v, batch.mask if mask is None else mask, scale)

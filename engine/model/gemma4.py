@@ -7,11 +7,11 @@ out = h + norm(mlp(norm(h))), then per-layer inputs (E2B/E4B) add
 norm(proj(gelu(gate(out)) * e_i)), and the whole is scaled by the layer's scalar. Attention
 is unscaled (the q and k norms stand in for 1/sqrt(D)); values are normed without a weight.
 
-Sliding layers keep a cache as long as the context, as full layers do, and see only the last
-`sliding_window` keys through their mask: rollback and prefix reuse are then the full
-layers' (moving a slot's length), at the memory of full-length caches. A KV-shared layer
-writes no cache: it attends over the keys and values the last earlier unshared layer of its
-kind made in the same forward (`Stash`).
+Sliding layers see only the last `sliding_window` keys, through their mask and the kernel's
+window; their caches are rings of about twice the window where that is shorter than the
+context (cache/ring.py: rollback and prefix reuse as there), else as long as the full
+layers'. A KV-shared layer writes no cache: it attends over the keys and values the last
+earlier unshared layer of its kind made in the same forward (`Stash`).
 
 The cached forward's attention is `attend` (our CPU kernel, given the window, or
 `masked_attention`: rows that do not depend on the call's shape) or, where the engine does
@@ -26,11 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.cache.kv import CacheBatch, KVCache
+from engine.cache.ring import RingCache, ring_mask
 from engine.model.attention import attend
 from engine.model.config import FULL, SLIDING, ModelConfig
 from engine.model.layers import MLP, Dense, activation, apply_rope, fuse_linears, norm, rope_part
 
-Stash = dict[str, tuple[Tensor, Tensor]]  # layer kind -> the last unshared layer's k, v
+# Layer kind -> the last unshared layer's k, v and the size of the ring they sit in (0: none).
+Stash = dict[str, tuple[Tensor, Tensor, int]]
 Rope = tuple[Tensor, Tensor]
 
 
@@ -77,18 +79,19 @@ class Gemma4Attention(nn.Module):
         q, *kv = self.projections(x)
         q = apply_rope(self.q_norm(q.view(bsz, seqlen, hq, hd)), cos, sin).transpose(1, 2)
         if self.shared:
-            k, v = stash[self.kind]  # [B, Hkv, T, D]
+            k, v, ring = stash[self.kind]  # [B, Hkv, T, D]
         else:
             k = kv[0].view(bsz, seqlen, hkv, hd)  # [B, S, Hkv, D]
             v = k if self.k_eq_v else kv[1].view(bsz, seqlen, hkv, hd)
             k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # [B, Hkv, S, D]
             v = F.rms_norm(v.float(), (hd,), eps=self.eps).to(v.dtype).transpose(1, 2)
+            ring = ring_size(cache)
             if cache is not None:
                 assert batch is not None
-                k, v = cache.update(batch, k, v)  # [B, Hkv, kv_len, D]
-            stash[self.kind] = k, v
+                k, v = cache.update(batch, k, v)  # [B, Hkv, kv_len or ring + 1, D]
+            stash[self.kind] = k, v, ring
         if batch is not None and self.exact:
-            y = attend(q, k, v, batch, 1.0, self.window, mask)
+            y = attend(q, k, v, batch, 1.0, self.window, mask, ring)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0,
                                                enable_gqa=True)
@@ -158,7 +161,8 @@ class Gemma4Model(nn.Module):
         cfg = self.cfg
         x = scaled(self.embed_tokens(tokens), cfg.hidden_size)
         per_layer = self.per_layer_inputs(tokens, x)
-        masks = attention_masks(batch, tokens.shape[1], cfg.sliding_window, tokens.device)
+        ring = next((ring_size(c) for c in caches or [] if ring_size(c)), 0)
+        masks = attention_masks(batch, tokens.shape[1], cfg.sliding_window, tokens.device, ring)
         ropes = {kind: rope_part(cfg, kind, rope) for kind in masks}
         stash: Stash = {}
         for i, (layer, kind) in enumerate(zip(self.layers, cfg.layer_types, strict=True)):
@@ -185,13 +189,18 @@ def scaled(emb: Tensor, width: int) -> Tensor:
     return emb * torch.full((), width ** 0.5, dtype=emb.dtype, device=emb.device)
 
 
+def ring_size(cache: object) -> int:
+    """The entries of the ring `cache` is (0: it is no ring)."""
+    return cache.size if isinstance(cache, RingCache) else 0
+
+
 def attention_masks(batch: CacheBatch | None, seqlen: int, window: int,
-                    device: torch.device) -> dict[str, Tensor]:
+                    device: torch.device, ring: int = 0) -> dict[str, Tensor]:
     """Per layer kind, the keys each query sees: causal for full layers, and for sliding
-    ones the last `window` of those. A cached forward's rows sit at batch.pos among
-    batch.kv_len keys; a padding row past them (at the scratch position) sees the last
-    window of them, never none: an all-masked row's NaNs would reach real rows through the
-    values it writes."""
+    ones the last `window` of those (among a `ring`'s entries, where their caches are
+    rings). A cached forward's rows sit at batch.pos among batch.kv_len keys; a padding row
+    past them (at the scratch position) sees the last window of them, never none: an
+    all-masked row's NaNs would reach real rows through the values it writes."""
     if batch is None:
         pos = torch.arange(seqlen, device=device)[None]  # [1, S]
         keys = torch.arange(seqlen, device=device)
@@ -201,5 +210,7 @@ def attention_masks(batch: CacheBatch | None, seqlen: int, window: int,
         pos = pos.clamp(max=batch.kv_len - 1)
     if not window:
         return {FULL: causal}
+    if ring:
+        return {FULL: causal, SLIDING: ring_mask(pos, window, ring)}
     recent = (keys[None, None, :] > pos[:, :, None] - window)[:, None]  # [B, 1, S, T]
     return {FULL: causal, SLIDING: causal & recent}

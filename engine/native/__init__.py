@@ -53,7 +53,7 @@ class Kernels:
         att.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         att.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
-                        ctypes.c_int, ctypes.c_float, i64, ctypes.c_int]
+                        ctypes.c_int, ctypes.c_float, i64, i64, ctypes.c_int]
         self._attention = att
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
@@ -74,15 +74,18 @@ class Kernels:
         return out
 
     def run_attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
-                      scale: float | None = None, window: int = 0) -> Tensor:
+                      scale: float | None = None, window: int = 0, ring: int = 0) -> Tensor:
         bsz, heads, seqlen, dim = q.shape
+        if ring and not 0 < window <= ring <= k.shape[2]:
+            raise ValueError(f"a ring of {ring} keys needs a window in (0, {ring}] and a "
+                             f"cache of at least {ring} entries, got {window} and {k.shape[2]}")
         qf = q.float().contiguous()
         positions = pos.to(torch.int64).contiguous()
         out = torch.empty_like(qf)
         if self._attention(qf.data_ptr(), bsz, heads, seqlen, dim, k.data_ptr(), v.data_ptr(),
                            k.shape[1], k.stride(0), k.stride(1), k.shape[2],
                            positions.data_ptr(), out.data_ptr(), int(k.dtype == torch.bfloat16),
-                           dim ** -0.5 if scale is None else scale, window,
+                           dim ** -0.5 if scale is None else scale, window, ring,
                            torch.get_num_threads()) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out.to(q.dtype)
@@ -182,20 +185,21 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: 
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None = None,
-              window: int = 0) -> Tensor | None:
+              window: int = 0, ring: int = 0) -> Tensor | None:
     """softmax(q k^T / sqrt(D)) v (or times `scale`) for q [B, H, S, D], each row (b, s)
     over keys 0..pos[b, s] of k, v [B, Hkv, kv_len, D] (views of a cache: rows of D
     contiguous), as `masked_attention` with the mask keys <= pos (a row past the keys sees
-    them all), and with a `window` only the last that many of them; None where the kernel
-    does not take these tensors (then the caller's path runs)."""
+    them all), and with a `window` only the last that many of them; with a `ring`, the key of
+    position t is entry t mod ring (cache/ring.py). None where the kernel does not take these
+    tensors (then the caller's path runs)."""
     if not (k.dtype == v.dtype and k.dtype in (torch.float32, torch.bfloat16)
             and k.stride() == v.stride() and k.stride(-1) == 1
             and k.stride(-2) == k.shape[-1] and k.shape[-1] % 16 == 0
             and k.shape[-1] <= 512):
         return None
     if torch.compiler.is_compiling():
-        return torch.ops.ahead.causal_attention(q, k, v, pos, scale, window)
-    return kernels().run_attention(q, k, v, pos, scale, window)
+        return torch.ops.ahead.causal_attention(q, k, v, pos, scale, window, ring)
+    return kernels().run_attention(q, k, v, pos, scale, window, ring)
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
@@ -277,13 +281,13 @@ def _(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) 
 
 @torch.library.custom_op("ahead::causal_attention", mutates_args=())
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
-                      window: int) -> Tensor:
-    return kernels().run_attention(q, k, v, pos, scale, window)
+                      window: int, ring: int) -> Tensor:
+    return kernels().run_attention(q, k, v, pos, scale, window, ring)
 
 
 @_causal_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
-      window: int) -> Tensor:
+      window: int, ring: int) -> Tensor:
     return q.new_empty(q.shape)
 
 

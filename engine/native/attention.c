@@ -8,6 +8,10 @@ from its own query and the keys it may see, in one order (keys 0..pos, dot produ
 D in fixed lanes), so neither the other rows of the call, nor the number of keys the call
 reads (kv_len, a bucket), nor the thread that runs it changes a bit; the masked keys past a
 row's position are never touched.
+
+A sliding-window layer's cache may be a ring (cache/ring.py): the key of position t at entry
+t mod ring. The kernel then reads the same keys in the same order (by position), so a ring
+gives the bits a cache as long as the context gives.
 */
 #include <immintrin.h>
 #include <math.h>
@@ -46,12 +50,13 @@ static inline __m512 exp_nonpositive(__m512 x) {
 #define MAX_TILE 4
 
 /* Up to MAX_TILE query rows of one head (D floats each, D a multiple of 16, at most 512)
-   against keys lo[r]..n[r]-1: each key and value is loaded once for all the rows that see it.
-   A row's arithmetic is the same whatever rows share its tile: its dot products over D in
-   fixed lanes, its sums over keys in key order. */
+   against the keys of positions lo[r]..n[r]-1 (at entry t mod ring of k and v when ring > 0,
+   else at entry t): each key and value is loaded once for all the rows that see it. A row's
+   arithmetic is the same whatever rows share its tile: its dot products over D in fixed
+   lanes, its sums over keys in position order. scores[r] holds row r's key lo[r] + i at i. */
 static void attend_rows(const float *const *q, const int64_t *lo, const int64_t *n, int rows,
-                        const void *k, const void *v, int64_t D, int bf16, float scale,
-                        float *const *scores, float *const *out) {
+                        const void *k, const void *v, int64_t D, int64_t ring, int bf16,
+                        float scale, float *const *scores, float *const *out) {
     const int64_t nd = D / 16;
     int64_t longest = 0, first = n[0];
     for (int r = 0; r < rows; r++) {
@@ -60,28 +65,30 @@ static void attend_rows(const float *const *q, const int64_t *lo, const int64_t 
     }
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t t = first; t < longest; t++) {
+        const int64_t at = (ring ? t % ring : t) * D;
         __m512 acc[MAX_TILE];
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nd; j++) {
-            const __m512 kj = load16(k, t * D + 16 * j, bf16);
+            const __m512 kj = load16(k, at + 16 * j, bf16);
             for (int r = 0; r < rows; r++)
                 acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * j), sc), kj,
                                          acc[r]);
         }
         for (int r = 0; r < rows; r++)
-            if (t >= lo[r] && t < n[r]) scores[r][t] = _mm512_reduce_add_ps(acc[r]);
+            if (t >= lo[r] && t < n[r]) scores[r][t - lo[r]] = _mm512_reduce_add_ps(acc[r]);
     }
     float inv[MAX_TILE];
     for (int r = 0; r < rows; r++) {  /* probabilities in lanes of 16: a fixed order */
         float *s = scores[r], max = -INFINITY;
-        for (int64_t t = lo[r]; t < n[r]; t++) max = s[t] > max ? s[t] : max;
+        const int64_t count = n[r] - lo[r];
+        for (int64_t i = 0; i < count; i++) max = s[i] > max ? s[i] : max;
         __m512 sum16 = _mm512_setzero_ps();
-        for (int64_t t = lo[r]; t < n[r]; t += 16) {
-            const __mmask16 m = n[r] - t >= 16 ? 0xffff : (__mmask16)((1u << (n[r] - t)) - 1);
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t),
+        for (int64_t i = 0; i < count; i += 16) {
+            const __mmask16 m = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i),
                                                      _mm512_set1_ps(max)));
             e = _mm512_maskz_mov_ps(m, e);
-            _mm512_mask_storeu_ps(s + t, m, e);
+            _mm512_mask_storeu_ps(s + i, m, e);
             sum16 = _mm512_add_ps(sum16, e);
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(sum16);
@@ -89,11 +96,12 @@ static void attend_rows(const float *const *q, const int64_t *lo, const int64_t 
     __m512 acc[MAX_TILE * 32];
     for (int64_t i = 0; i < rows * nd; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = first; t < longest; t++) {
+        const int64_t at = (ring ? t % ring : t) * D;
         for (int64_t j = 0; j < nd; j++) {
-            const __m512 vj = load16(v, t * D + 16 * j, bf16);
+            const __m512 vj = load16(v, at + 16 * j, bf16);
             for (int r = 0; r < rows; r++)
                 if (t >= lo[r] && t < n[r])
-                    acc[r * nd + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][t]), vj,
+                    acc[r * nd + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][t - lo[r]]), vj,
                                                       acc[r * nd + j]);
         }
     }
@@ -108,13 +116,16 @@ static void attend_rows(const float *const *q, const int64_t *lo, const int64_t 
    kv heads H / Hkv query heads share; row (b, s) sees keys 0..pos[b*S + s], all kv_len of
    them where its position is past them (a padding row parked at the cache's end), none (a
    row of zeros) where it is negative; with a window > 0, only the last `window` of those
-   (a sliding-window layer). Returns 0, or -1 when scratch memory could not be had or the
-   shapes are not ones this kernel takes. */
+   (a sliding-window layer). With ring > 0 (then 0 < window <= ring <= kv_len), k and v are
+   a ring: position t's key at entry t mod ring, and every row sees the last `window` of
+   keys 0..pos. Returns 0, or -1 when scratch memory could not be had or the shapes are not
+   ones this kernel takes. */
 int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                      const void *k, const void *v, int64_t Hkv, int64_t sb, int64_t sh,
                      int64_t kv_len, const int64_t *pos, float *out, int bf16, float scale,
-                     int64_t window, int threads) {
+                     int64_t window, int64_t ring, int threads) {
     if (D % 16 != 0 || D > 512 || H % Hkv != 0) return -1;
+    if (ring && (window <= 0 || window > ring || ring > kv_len)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -141,7 +152,7 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                     int rows = 0;
                     for (int64_t s = s0; s < S && s < s0 + tile; s++) {
                         const int64_t row = (b * H + h) * S + s, p = pos[b * S + s];
-                        const int64_t n = p < 0 ? 0 : p >= kv_len ? kv_len : p + 1;
+                        const int64_t n = p < 0 ? 0 : ring || p < kv_len ? p + 1 : kv_len;
                         if (n == 0) {
                             memset(out + row * D, 0, sizeof(float) * (size_t)D);
                             continue;
@@ -152,7 +163,8 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                         los[rows] = window > 0 && n > window ? n - window : 0;
                         ns[rows++] = n;
                     }
-                    if (rows) attend_rows(qs, los, ns, rows, kh, vh, D, bf16, scale, sc, outs);
+                    if (rows)
+                        attend_rows(qs, los, ns, rows, kh, vh, D, ring, bf16, scale, sc, outs);
                 }
             }
         free(scores);
