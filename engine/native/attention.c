@@ -47,23 +47,32 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps(~tiny, e);
 }
 
-#define MAX_TILE 4
+/* Query rows a tile: every query head of a kv head (grouped-query attention) and as many
+   positions as fit, so that each key and value is loaded and converted once for all of
+   them; each row's dot product and each of its 16 output lanes keeps one accumulator in a
+   register. */
+#define MAX_TILE 16
 
-/* Up to MAX_TILE query rows of one head (D floats each, D a multiple of 16, at most 512)
-   against the keys of positions lo[r]..n[r]-1 (at entry t mod ring of k and v when ring > 0,
-   else at entry t): each key and value is loaded once for all the rows that see it. A row's
-   arithmetic is the same whatever rows share its tile: its dot products over D in fixed
-   lanes, its sums over keys in position order. scores[r] holds row r's key lo[r] + i at i. */
-static void attend_rows(const float *const *q, const int64_t *lo, const int64_t *n, int rows,
-                        const void *k, const void *v, int64_t D, int64_t ring, int bf16,
-                        float scale, float *const *scores, float *const *out) {
+/* Up to MAX_TILE query rows of one kv head (q: `rows` rows of D floats, already times the
+   scale; D a multiple of 16, at most 512) against the keys of positions lo[r]..n[r]-1 (at
+   entry t mod ring of k and v when ring > 0, else at entry t). A row's arithmetic is the
+   same whatever rows share its tile: its dot products over D in fixed lanes, its sums over
+   keys in position order. Row r's probability of key lo[r] + i is at scores[r * stride + i].
+   `rows` is a constant in each inlined copy, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_rows(
+        const float *q, const int64_t *lo, const int64_t *n, const int rows, const void *k,
+        const void *v, int64_t D, int64_t ring, int bf16, float *scores, int64_t stride,
+        float *const *out) {
     const int64_t nd = D / 16;
-    int64_t longest = 0, first = n[0];
+    int64_t longest = 0, first = n[0], all_lo = 0, all_n = n[0];
+    const float *p[MAX_TILE];  /* p[r][t]: row r's probability of key t */
     for (int r = 0; r < rows; r++) {
         longest = n[r] > longest ? n[r] : longest;
         first = lo[r] < first ? lo[r] : first;
+        all_lo = lo[r] > all_lo ? lo[r] : all_lo;  /* keys every row sees: all_lo..all_n-1 */
+        all_n = n[r] < all_n ? n[r] : all_n;
+        p[r] = scores + r * stride - lo[r];
     }
-    const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t t = first; t < longest; t++) {
         const int64_t at = (ring ? t % ring : t) * D;
         __m512 acc[MAX_TILE];
@@ -71,15 +80,14 @@ static void attend_rows(const float *const *q, const int64_t *lo, const int64_t 
         for (int64_t j = 0; j < nd; j++) {
             const __m512 kj = load16(k, at + 16 * j, bf16);
             for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(q[r] + 16 * j), sc), kj,
-                                         acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + 16 * j), kj, acc[r]);
         }
         for (int r = 0; r < rows; r++)
-            if (t >= lo[r] && t < n[r]) scores[r][t - lo[r]] = _mm512_reduce_add_ps(acc[r]);
+            if (t >= lo[r] && t < n[r]) scores[r * stride + t - lo[r]] = _mm512_reduce_add_ps(acc[r]);
     }
     float inv[MAX_TILE];
     for (int r = 0; r < rows; r++) {  /* probabilities in lanes of 16: a fixed order */
-        float *s = scores[r], max = -INFINITY;
+        float *s = scores + r * stride, max = -INFINITY;
         const int64_t count = n[r] - lo[r];
         for (int64_t i = 0; i < count; i++) max = s[i] > max ? s[i] : max;
         __m512 sum16 = _mm512_setzero_ps();
@@ -93,22 +101,34 @@ static void attend_rows(const float *const *q, const int64_t *lo, const int64_t 
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(sum16);
     }
-    __m512 acc[MAX_TILE * 32];
-    for (int64_t i = 0; i < rows * nd; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = first; t < longest; t++) {
-        const int64_t at = (ring ? t % ring : t) * D;
-        for (int64_t j = 0; j < nd; j++) {
-            const __m512 vj = load16(v, at + 16 * j, bf16);
-            for (int r = 0; r < rows; r++)
-                if (t >= lo[r] && t < n[r])
-                    acc[r * nd + j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r][t - lo[r]]), vj,
-                                                      acc[r * nd + j]);
+    for (int64_t j = 0; j < nd; j++) {  /* 16 output lanes at a time, keys in order */
+        __m512 acc[MAX_TILE];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t t = first; t < longest; t++) {
+            const __m512 vj = load16(v, (ring ? t % ring : t) * D + 16 * j, bf16);
+            if (t >= all_lo && t < all_n) {  /* every row sees it */
+                for (int r = 0; r < rows; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vj, acc[r]);
+            } else {
+                for (int r = 0; r < rows; r++)
+                    if (t >= lo[r] && t < n[r])
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vj, acc[r]);
+            }
         }
+        for (int r = 0; r < rows; r++)
+            _mm512_storeu_ps(out[r] + 16 * j, _mm512_mul_ps(acc[r], _mm512_set1_ps(inv[r])));
     }
-    for (int r = 0; r < rows; r++)
-        for (int64_t j = 0; j < nd; j++)
-            _mm512_storeu_ps(out[r] + 16 * j, _mm512_mul_ps(acc[r * nd + j],
-                                                            _mm512_set1_ps(inv[r])));
+}
+
+static void attend_tile(const float *q, const int64_t *lo, const int64_t *n, int rows,
+                        const void *k, const void *v, int64_t D, int64_t ring, int bf16,
+                        float *scores, int64_t stride, float *const *out) {
+    switch (rows) {
+#define ROWS(c) case c: attend_rows(q, lo, n, c, k, v, D, ring, bf16, scores, stride, out); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
+    }
 }
 
 /* out [B, H, S, D] (fp32) = attention of q [B, H, S, D] (fp32, contiguous) over the keys
@@ -126,47 +146,53 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                      int64_t window, int64_t ring, int threads) {
     if (D % 16 != 0 || D > 512 || H % Hkv != 0) return -1;
     if (ring && (window <= 0 || window > ring || ring > kv_len)) return -1;
+    const int64_t group = H / Hkv, rows_all = group * S;
+    const int64_t tiles = (rows_all + MAX_TILE - 1) / MAX_TILE;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(kv_len + 16) * MAX_TILE);
+        /* a tile's scores, and its queries times the scale */
+        float *scores = malloc(sizeof(float) * (size_t)((kv_len + 16 + D) * MAX_TILE));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static) collapse(2)
+        float *scaled = scores ? scores + (kv_len + 16) * MAX_TILE : NULL;
+#pragma omp for schedule(static) collapse(3)
         for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < H; h++) {
-                if (!scores) continue;
-                const int64_t off = b * sb + (h / (H / Hkv)) * sh;
-                const void *kh = bf16 ? (const void *)((const uint16_t *)k + off)
-                                      : (const void *)((const float *)k + off);
-                const void *vh = bf16 ? (const void *)((const uint16_t *)v + off)
-                                      : (const void *)((const float *)v + off);
-                /* rows a tile: as many as keep their accumulators in registers */
-                const int tile = D <= 64 ? 4 : D <= 128 ? 3 : 1;
-                for (int64_t s0 = 0; s0 < S; s0 += tile) {
-                    const float *qs[MAX_TILE];
-                    float *outs[MAX_TILE], *sc[MAX_TILE];
+            for (int64_t hk = 0; hk < Hkv; hk++)
+                for (int64_t tile = 0; tile < tiles; tile++) {
+                    if (!scores) continue;
+                    const int64_t off = b * sb + hk * sh;
+                    const void *kh = bf16 ? (const void *)((const uint16_t *)k + off)
+                                          : (const void *)((const float *)k + off);
+                    const void *vh = bf16 ? (const void *)((const uint16_t *)v + off)
+                                          : (const void *)((const float *)v + off);
+                    float *outs[MAX_TILE];
                     int64_t ns[MAX_TILE], los[MAX_TILE];
                     int rows = 0;
-                    for (int64_t s = s0; s < S && s < s0 + tile; s++) {
+                    /* rows position-major, so a tile's rows see nearly the same keys */
+                    for (int64_t i = tile * MAX_TILE; i < rows_all && i < (tile + 1) * MAX_TILE;
+                         i++) {
+                        const int64_t s = i / group, h = hk * group + i % group;
                         const int64_t row = (b * H + h) * S + s, p = pos[b * S + s];
                         const int64_t n = p < 0 ? 0 : ring || p < kv_len ? p + 1 : kv_len;
                         if (n == 0) {
                             memset(out + row * D, 0, sizeof(float) * (size_t)D);
                             continue;
                         }
-                        qs[rows] = q + row * D;
+                        float *qr = scaled + rows * D;
+                        for (int64_t j = 0; j < D; j += 16)
+                            _mm512_storeu_ps(qr + j, _mm512_mul_ps(_mm512_loadu_ps(q + row * D + j),
+                                                                   _mm512_set1_ps(scale)));
                         outs[rows] = out + row * D;
-                        sc[rows] = scores + rows * (kv_len + 16);
                         los[rows] = window > 0 && n > window ? n - window : 0;
                         ns[rows++] = n;
                     }
                     if (rows)
-                        attend_rows(qs, los, ns, rows, kh, vh, D, ring, bf16, scale, sc, outs);
+                        attend_tile(scaled, los, ns, rows, kh, vh, D, ring, bf16, scores,
+                                    kv_len + 16, outs);
                 }
-            }
         free(scores);
     }
     return failed ? -1 : 0;
