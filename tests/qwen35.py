@@ -19,12 +19,14 @@ L, F = "linear_attention", "full_attention"
 
 
 def text_config(layers: list[str], *, tied: bool = False, vocab: int = 512,
-                mtp: bool = True) -> Qwen3_5TextConfig:
+                mtp: bool = True, dims: tuple[int, int] = (8, 12)) -> Qwen3_5TextConfig:
+    """`dims`: the linear layers' key and value head sizes (multiples of 16 run our CPU
+    kernels for the step's positions, others torch's operators)."""
     return Qwen3_5TextConfig(
         vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=len(layers),
         layer_types=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=tied,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=dims[0],
+        linear_value_head_dim=dims[1], linear_conv_kernel_dim=4, tie_word_embeddings=tied,
         max_position_embeddings=1024, eos_token_id=vocab - 1,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                          "partial_rotary_factor": 0.5},
@@ -62,10 +64,11 @@ def mtp_tensors(cfg: Qwen3_5TextConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def write(path: Path, layers: list[str], *, tied: bool = False, wrapper: bool = False,
-          mtp: bool = True, seed: int = 0, vocab: int = 512) -> torch.nn.Module:
+          mtp: bool = True, seed: int = 0, vocab: int = 512,
+          dims: tuple[int, int] = (8, 12)) -> torch.nn.Module:
     """Save a random model with transformers (and its MTP module); return the HF model."""
     torch.manual_seed(seed)
-    text = text_config(layers, tied=tied, vocab=vocab, mtp=mtp)
+    text = text_config(layers, tied=tied, vocab=vocab, mtp=mtp, dims=dims)
     model: torch.nn.Module
     if wrapper:
         vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,

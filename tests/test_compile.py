@@ -96,7 +96,7 @@ def compiled_variants(engine: Engine) -> int:
 def test_compiled_blocks_in_a_hybrid_model(tmp_path: Path) -> None:
     """Qwen3.5's full-attention blocks (output gate, offset norms, partial rotary) run
     compiled and its Gated DeltaNet blocks eager: the tokens are the eager engine's."""
-    from training.synthetic import write_assistant, write_checkpoint
+    from training.synthetic import write_checkpoint
 
     write_checkpoint(tmp_path, "tiny-qwen3.5", train_steps=20, seed=0, mtp_naming="mtp")
     engines = [Engine.load(tmp_path, max_seq_len=256, k_max=4, slots=2, compile=c)

@@ -44,11 +44,14 @@ def test_prefill_logits_match_transformers(tmp_path: Path, mix: str, tied: bool)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("dims", [(8, 12), (16, 32)], ids=["torch", "kernels"])
 @pytest.mark.parametrize("window", [1, 3])
-def test_cached_decoding_matches_transformers(tmp_path: Path, window: int) -> None:
+def test_cached_decoding_matches_transformers(tmp_path: Path, window: int,
+                                              dims: tuple[int, int]) -> None:
     """A chunked prefill, then windows of `window` tokens through the recurrent form (the
-    verify pass), each committing its state after the last position."""
-    ref = write(tmp_path, MIXES["3:1"])
+    verify pass), each committing its state after the last position; with head sizes our
+    CPU kernels take (engine/native: gdn.c, deltanet.c), and others."""
+    ref = write(tmp_path, MIXES["3:1"], dims=dims)
     ours = load_model(tmp_path)
     ours.fuse()
     caches = Caches(ours, 2, 256, 8, widest=4)

@@ -69,14 +69,23 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, cfg.hidden_size, bias=False)
         self.fused: Dense | None = None
+        self.step_params: tuple[Tensor, ...] = ()  # fp32 conv weights, A_log, dt_bias
 
     def fuse(self) -> None:
-        """The four input projections as one matmul (see `fuse_linears`)."""
+        """The four input projections as one matmul (see `fuse_linears`); the convolution's
+        weights and the gates' parameters in fp32 for the decode kernel (native/gdn.c)."""
         self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
+        self.step_params = tuple(t.detach().float().contiguous() for t in (
+            self.conv1d.weight[:, 0], self.A_log, self.dt_bias))
 
     def forward(self, x: Tensor, batch: CacheBatch | None = None,
                 cache: StateCache | None = None) -> Tensor:
         bsz, seqlen, _ = x.shape
+        if self.fused is not None and cache is not None and batch is not None and \
+                batch.per_position and x.device.type == "cpu" and native.available():
+            out = self._step_native(self.fused(x), batch, cache)
+            if out is not None:
+                return out
         if self.fused is None:
             qkv, z, b, a = (p(x) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                            self.in_proj_a))
@@ -119,6 +128,27 @@ class GatedDeltaNet(nn.Module):
                 cache.write(batch.slots, window[:, None, :, -(self.kernel - 1):], state[:, None])
         out = out.transpose(1, 2).to(x.dtype)  # [B, S, Hv, Dv]
         y = self.norm(out, z.view(bsz, seqlen, self.num_v_heads, self.v_dim))
+        return self.out_proj(y.reshape(bsz, seqlen, self.value_size))
+
+
+    def _step_native(self, proj: Tensor, batch: CacheBatch, cache: StateCache) -> Tensor | None:
+        """The layer over a step's positions by our kernels: gdn.c from the projections to
+        the delta rule's inputs (conv states written), then the delta rule in the cache's
+        ring; None where they do not take these tensors."""
+        bsz, seqlen, _ = proj.shape
+        shape = (self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim, self.kernel)
+        prepared = native.gdn_prepare(proj, shape, cache.conv, cache.index, batch.slots,
+                                      *self.step_params)
+        if prepared is None:
+            return None
+        q, k, v, decay, beta = prepared
+        src, dst = cache.state_offsets(batch.slots, seqlen)
+        out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
+        if out is None:
+            return None
+        z = proj[..., self.conv_size:self.conv_size + self.value_size]
+        y = self.norm(out.transpose(1, 2).to(proj.dtype),
+                      z.view(bsz, seqlen, self.num_v_heads, self.v_dim))
         return self.out_proj(y.reshape(bsz, seqlen, self.value_size))
 
 

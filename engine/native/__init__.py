@@ -29,9 +29,10 @@ from torch import Tensor
 from engine.paths import cache_dir, write_replacing
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("wq.c", "attention.c", "deltanet.c"))
+                for name in ("wq.c", "attention.c", "deltanet.c", "gdn.c"))
+HEADERS = (Path(__file__).with_name("vecmath.h"),)
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
-         "-fopenmp", "-shared", "-fPIC")
+         "-fopenmp", "-shared", "-fPIC", "-lm")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 TILE = 16  # outputs a tile (wq.c's TILE)
 GROUPS = (128, 64, 32)  # inputs an activation group: the largest that divides the width
@@ -59,6 +60,10 @@ class Kernels:
         delta.restype = ctypes.c_int
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int]
         self._delta = delta
+        gdn = lib.gdn_prepare
+        gdn.restype = ctypes.c_int
+        gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64] + [ptr] * 10 + [ctypes.c_int]
+        self._gdn = gdn
 
     def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
                        states: Tensor, src: Tensor, dst: Tensor) -> Tensor:
@@ -89,6 +94,24 @@ class Kernels:
                            torch.get_num_threads()) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out.to(q.dtype)
+
+    def run_gdn_prepare(self, proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor,
+                        slots: Tensor, weight: Tensor, a_log: Tensor,
+                        dt_bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        bsz, seqlen, width = proj.shape
+        hk, hv, dk, dv, kernel = shape
+        c = 2 * hk * dk + hv * dv
+        q, k = (proj.new_empty(bsz, hv, seqlen, dk, dtype=torch.float32) for _ in range(2))
+        v = proj.new_empty(bsz, hv, seqlen, dv, dtype=torch.float32)
+        decay, beta = (proj.new_empty(bsz, hv, seqlen, dtype=torch.float32) for _ in range(2))
+        slots = slots.to(torch.int64).contiguous()
+        if self._gdn(proj.data_ptr(), width, c + hv * dv, c + hv * dv + hv, bsz, seqlen, hk,
+                     hv, dk, dv, kernel, conv.data_ptr(), conv.shape[1], slots.data_ptr(),
+                     index.data_ptr(), weight.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(),
+                     q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
+                     beta.data_ptr(), int(proj.dtype == torch.bfloat16)) != 0:
+            raise ValueError(f"Gated DeltaNet inputs: shapes the kernel does not take {shape}")
+        return q, k, v, decay, beta
 
     def run_linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
                    group: int) -> Tensor:
@@ -125,7 +148,8 @@ def _build() -> Path:
                                  check=True, timeout=60).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise NativeUnavailable(f"the C compiler ({cc}) does not run: {e}") from e
-    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES), " ".join(FLAGS), cc,
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in (*SOURCES, *HEADERS)),
+                                     " ".join(FLAGS), cc,
                                      version]).encode()).hexdigest()[:16]
     path = cache_dir("native") / f"wq-{key}.so"
     if path.is_file():
@@ -214,6 +238,28 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, sta
     if torch.compiler.is_compiling():
         return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
     return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst)
+
+
+GdnShape = tuple[int, int, int, int, int]  # key heads, value heads, Dk, Dv, conv kernel
+
+
+def gdn_prepare(proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor, slots: Tensor,
+                weight: Tensor, a_log: Tensor, dt_bias: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None:
+    """A Gated DeltaNet layer's delta-rule inputs for the positions of a step (gdn.c): from
+    its fused input projections proj [B, S, W] (q, k, v's pre-convolution inputs, z, beta,
+    alpha), the conv states in the cache's ring conv [slots, R, C, K-1] at each row's
+    committed entry `index[slots]` (the state after each position written after it), and
+    the fp32 weight [C, K], A_log and dt_bias [Hv]: q, k [B, Hv, S, Dk] (L2-normalised, q
+    by 1/sqrt(Dk)), v [B, Hv, S, Dv], decay and beta [B, Hv, S], fp32. None where the kernel
+    does not take these tensors (head sizes not multiples of 16, or wider values than the
+    delta rule's kernel takes)."""
+    _, _, dk, dv, kernel = shape
+    if torch.compiler.is_compiling() or proj.dtype not in (torch.float32, torch.bfloat16) \
+            or conv.dtype != proj.dtype or not (proj.is_contiguous() and conv.is_contiguous()) \
+            or dk % 16 or dv % 16 or dv > 256 or not 2 <= kernel <= 8:
+        return None
+    return kernels().run_gdn_prepare(proj, shape, conv, index, slots, weight, a_log, dt_bias)
 
 
 def group_for(in_features: int) -> int | None:

@@ -19,33 +19,7 @@ gives the bits a cache as long as the context gives.
 #include <stdlib.h>
 #include <string.h>
 
-static inline __m512 load16(const void *p, int64_t i, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))),
-            16));
-    return _mm512_loadu_ps((const float *)p + i);
-}
-
-/* e^x for x <= 0 (x - max of a softmax): Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2,
-   then a degree-6 polynomial for e^r (relative error about 2e-7); below -87 it is 0. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
-    r = _mm512_fnmadd_ps(n, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512 e = _mm512_scalef_ps(p, n);
-    return _mm512_maskz_mov_ps(~tiny, e);
-}
+#include "vecmath.h"
 
 /* Query rows a tile: every query head of a kv head (grouped-query attention) and as many
    positions as fit, so that each key and value is loaded and converted once for all of

@@ -1,0 +1,138 @@
+/* What a Gated DeltaNet layer computes between its input projection and the delta rule, for
+the positions of a decode step or verify window (Qwen3.5's linear-attention layers), on
+AVX-512 CPUs: the causal depthwise convolution over the conv state in the cache's ring and
+the new q, k, v inputs, its silu, rounded to the model's dtype; q and k L2-normalised per key
+head (q also by 1/sqrt(Dk)) and repeated for their value heads; the gates a_t = exp(-exp(A)
+softplus(alpha_t + dt_bias)) and b_t = sigmoid(beta_t); and the conv state after each
+position, written into the ring entries after the committed one.
+
+Why: as tensor operations this is some sixty small operators a layer and position, each
+costing more in dispatch than in arithmetic (Qwen3.5-2B's plain step spent a third of its
+time between the matmuls, and a second thread does not shorten that). Each position's
+values come from its own inputs and the state before it, channel by channel in a fixed
+order, so a row's result does not depend on what else shares the call.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vecmath.h"
+
+static inline float scalar(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
+        return v.f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* silu(x) = x sigmoid(x), with e^-|x| from the vector exp. */
+static inline __m512 silu16(__m512 x) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(),
+                                                   _mm512_abs_ps(x)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 num = _mm512_mask_mov_ps(one, neg, e);  /* x < 0: e/(1+e), else 1/(1+e) */
+    return _mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+}
+
+/* x / sqrt(sum x^2 + 1e-6) * scale over D floats (a multiple of 16), in place. */
+static void l2norm(float *x, int64_t D, float scale) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 v = _mm512_loadu_ps(x + d);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) + 1e-6f));
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + d), inv);
+        if (scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+        _mm512_storeu_ps(x + d, v);
+    }
+}
+
+/* Rows b of S positions. x: the layer's fused input projections, row (b, s) at
+   (b*S + s) * x_stride elements: q, k, v's C = 2 Hk Dk + Hv Dv pre-convolution inputs first,
+   beta's Hv at b_off, alpha's Hv at a_off. conv: the ring [slots, R, C, Kc-1] (the model's
+   dtype, as x), slot slots[b]'s committed entry index[slots[b]]; the state after position
+   s goes to entry (index + 1 + s) mod R. w: the convolution's weights [C, Kc], a_log and
+   dt_bias [Hv], all fp32. Out (fp32): q, k [B, Hv, S, Dk], v [B, Hv, S, Dv], decay a_t and
+   beta b_t [B, Hv, S]. bf16 != 0: x and conv are bf16, and the convolution's output is
+   rounded to bf16 as the model's dtype would. Returns 0, or -1
+   when the shapes are not ones this kernel takes or memory could not be had. */
+int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, int64_t B,
+                int64_t S, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t Kc,
+                void *conv, int64_t R, const int64_t *slots, const int64_t *index,
+                const float *w, const float *a_log, const float *dt_bias,
+                float *q, float *k, float *v, float *decay, float *beta, int bf16) {
+    const int64_t C = 2 * Hk * Dk + Hv * Dv, keep = Kc - 1, group = Hv / Hk;
+    if (Dk % 16 || Dv % 16 || Hv % Hk || Kc < 2 || Kc > 8 || S + 1 > R) return -1;
+    float *mixed = malloc(sizeof(float) * (size_t)C);
+    float *taps = malloc(sizeof(float) * (size_t)(C * Kc));  /* weights by tap: [Kc][C] */
+    if (!mixed || !taps) {
+        free(mixed);
+        free(taps);
+        return -1;
+    }
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < Kc; j++) taps[j * C + c] = w[c * Kc + j];
+    const int64_t entry = C * keep;  /* elements of one conv state */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t slot = slots[b], at = index[slot];
+        const int64_t state = (slot * R + at) * entry;
+        /* Input j of the window before position s's output: the committed state's inputs,
+           then the new ones. */
+#define INPUT(c, i) ((i) < keep ? scalar(conv, state + (c) * keep + (i), bf16) \
+                                : scalar(x, (b * S + (i) - keep) * x_stride + (c), bf16))
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t row = b * S + s;
+            for (int64_t c0 = 0; c0 < C; c0 += 16) {
+                const __mmask16 m = C - c0 >= 16 ? 0xffff : (__mmask16)((1u << (C - c0)) - 1);
+                float in[8][16];
+                for (int64_t i = 0; i < 16 && c0 + i < C; i++)
+                    for (int64_t j = 0; j < Kc; j++) in[j][i] = INPUT(c0 + i, s + j);
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < Kc; j++)
+                    sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in[j]),
+                                                           _mm512_maskz_loadu_ps(m, taps + j * C + c0)));
+                __m512 out = silu16(sum);
+                if (bf16) out = round_bf16(out);
+                _mm512_mask_storeu_ps(mixed + c0, m, out);
+            }
+            /* the conv state after position s: inputs s+1 .. s+Kc-1 of the window */
+            const int64_t dst = (slot * R + (at + 1 + s) % R) * entry;
+            for (int64_t c = 0; c < C; c++)
+                for (int64_t i = 0; i < keep; i++) {
+                    const float val = INPUT(c, s + 1 + i);
+                    if (bf16) {
+                        union { float f; uint32_t u; } bits = {.f = val};
+                        ((uint16_t *)conv)[dst + c * keep + i] = (uint16_t)(bits.u >> 16);
+                    } else {
+                        ((float *)conv)[dst + c * keep + i] = val;
+                    }
+                }
+            for (int64_t h = 0; h < Hk; h++) {
+                l2norm(mixed + h * Dk, Dk, 1.0f / sqrtf((float)Dk));
+                l2norm(mixed + (Hk + h) * Dk, Dk, 1.0f);
+            }
+            for (int64_t h = 0; h < Hv; h++) {
+                const int64_t out = (b * Hv + h) * S + s, kh = h / group;
+                for (int64_t d = 0; d < Dk; d++) {
+                    q[out * Dk + d] = mixed[kh * Dk + d];
+                    k[out * Dk + d] = mixed[(Hk + kh) * Dk + d];
+                }
+                for (int64_t d = 0; d < Dv; d++) v[out * Dv + d] = mixed[2 * Hk * Dk + h * Dv + d];
+                const float bt = scalar(x, row * x_stride + b_off + h, bf16);
+                const float al = scalar(x, row * x_stride + a_off + h, bf16) + dt_bias[h];
+                const float soft = al > 20.0f ? al : log1pf(expf(al));
+                decay[out] = expf(-expf(a_log[h]) * soft);
+                beta[out] = 1.0f / (1.0f + expf(-bt));
+            }
+        }
+#undef INPUT
+    }
+    free(mixed);
+    free(taps);
+    return 0;
+}
