@@ -69,14 +69,15 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_size, cfg.hidden_size, bias=False)
         self.fused: Dense | None = None
-        self.step_params: tuple[Tensor, ...] = ()  # fp32 conv weights, A_log, dt_bias
+        # fp32 conv weights, A_log, dt_bias and norm weight, for the step's kernels
+        self.step_params: tuple[Tensor, ...] = ()
 
     def fuse(self) -> None:
         """The four input projections as one matmul (see `fuse_linears`); the convolution's
         weights and the gates' parameters in fp32 for the decode kernel (native/gdn.c)."""
         self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
         self.step_params = tuple(t.detach().float().contiguous() for t in (
-            self.conv1d.weight[:, 0], self.A_log, self.dt_bias))
+            self.conv1d.weight[:, 0], self.A_log, self.dt_bias, self.norm.weight))
 
     def forward(self, x: Tensor, batch: CacheBatch | None = None,
                 cache: StateCache | None = None) -> Tensor:
@@ -133,12 +134,12 @@ class GatedDeltaNet(nn.Module):
 
     def _step_native(self, proj: Tensor, batch: CacheBatch, cache: StateCache) -> Tensor | None:
         """The layer over a step's positions by our kernels: gdn.c from the projections to
-        the delta rule's inputs (conv states written), then the delta rule in the cache's
-        ring; None where they do not take these tensors."""
+        the delta rule's inputs (conv states written), the delta rule in the cache's ring,
+        gdn.c's gated norm; None where they do not take these tensors."""
         bsz, seqlen, _ = proj.shape
         shape = (self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim, self.kernel)
         prepared = native.gdn_prepare(proj, shape, cache.conv, cache.index, batch.slots,
-                                      *self.step_params)
+                                      *self.step_params[:3])
         if prepared is None:
             return None
         q, k, v, decay, beta = prepared
@@ -146,10 +147,8 @@ class GatedDeltaNet(nn.Module):
         out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
         if out is None:
             return None
-        z = proj[..., self.conv_size:self.conv_size + self.value_size]
-        y = self.norm(out.transpose(1, 2).to(proj.dtype),
-                      z.view(bsz, seqlen, self.num_v_heads, self.v_dim))
-        return self.out_proj(y.reshape(bsz, seqlen, self.value_size))
+        y = native.gdn_gated_norm(out, proj, self.conv_size, self.step_params[3], self.norm.eps)
+        return self.out_proj(y.view(bsz, seqlen, self.value_size))
 
 
 def causal_conv(window: Tensor, weight: Tensor) -> Tensor:

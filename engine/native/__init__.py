@@ -64,6 +64,11 @@ class Kernels:
         gdn.restype = ctypes.c_int
         gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64] + [ptr] * 10 + [ctypes.c_int]
         self._gdn = gdn
+        norm = lib.gdn_gated_norm
+        norm.restype = ctypes.c_int
+        norm.argtypes = [ptr] + [i64] * 4 + [ptr, i64, i64, ptr, ctypes.c_float, ptr,
+                                             ctypes.c_int]
+        self._gdn_norm = norm
 
     def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
                        states: Tensor, src: Tensor, dst: Tensor) -> Tensor:
@@ -112,6 +117,16 @@ class Kernels:
                      beta.data_ptr(), int(proj.dtype == torch.bfloat16)) != 0:
             raise ValueError(f"Gated DeltaNet inputs: shapes the kernel does not take {shape}")
         return q, k, v, decay, beta
+
+    def run_gdn_gated_norm(self, o: Tensor, proj: Tensor, z_off: int, weight: Tensor,
+                           eps: float) -> Tensor:
+        bsz, hv, seqlen, dv = o.shape
+        out = proj.new_empty(bsz, seqlen, hv, dv)
+        if self._gdn_norm(o.data_ptr(), bsz, seqlen, hv, dv, proj.data_ptr(), proj.shape[-1],
+                          z_off, weight.data_ptr(), eps, out.data_ptr(),
+                          int(proj.dtype == torch.bfloat16)) != 0:
+            raise ValueError(f"gated norm: shapes the kernel does not take {tuple(o.shape)}")
+        return out
 
     def run_linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
                    group: int) -> Tensor:
@@ -260,6 +275,13 @@ def gdn_prepare(proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor, slot
             or dk % 16 or dv % 16 or dv > 256 or not 2 <= kernel <= 8:
         return None
     return kernels().run_gdn_prepare(proj, shape, conv, index, slots, weight, a_log, dt_bias)
+
+
+def gdn_gated_norm(o: Tensor, proj: Tensor, z_off: int, weight: Tensor, eps: float) -> Tensor:
+    """GatedRMSNorm (model/deltanet.py) of the delta rule's output o [B, Hv, S, Dv] (fp32,
+    contiguous) gated by the z at element z_off of each row of proj (`gdn_prepare`'s), the
+    weight fp32 [Dv]: [B, S, Hv, Dv] in proj's dtype. For the shapes `gdn_prepare` takes."""
+    return kernels().run_gdn_gated_norm(o, proj, z_off, weight, eps)
 
 
 def group_for(in_features: int) -> int | None:

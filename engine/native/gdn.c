@@ -136,3 +136,46 @@ int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, i
     free(taps);
     return 0;
 }
+
+/* The layer's output norm after the delta rule: RMSNorm(o) * weight * silu(z) per value head,
+   in the order and dtype roundings of GatedRMSNorm (model/deltanet.py). o [B, Hv, S, Dv]
+   fp32 (the delta rule's output); z: Hv * Dv values at element z_off of row (b*S + s) of x
+   (the fused projections, x_stride elements a row); weight [Dv] fp32. Writes
+   out [B, S, Hv, Dv] (bf16 when bf16 != 0, with x, else fp32). */
+int gdn_gated_norm(const float *o, int64_t B, int64_t S, int64_t Hv, int64_t Dv,
+                   const void *x, int64_t x_stride, int64_t z_off, const float *weight,
+                   float eps, void *out, int bf16) {
+    if (Dv % 16) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t h = 0; h < Hv; h++) {
+                const float *src = o + ((b * Hv + h) * S + s) * Dv;
+                const int64_t zrow = (b * S + s) * x_stride + z_off + h * Dv;
+                const int64_t dst = ((b * S + s) * Hv + h) * Dv;
+                __m512 ss = _mm512_setzero_ps();
+                for (int64_t d = 0; d < Dv; d += 16) {
+                    __m512 v = _mm512_loadu_ps(src + d);
+                    if (bf16) v = round_bf16(v);
+                    ss = _mm512_fmadd_ps(v, v, ss);
+                }
+                const __m512 r = _mm512_set1_ps(
+                    1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)Dv + eps));
+                for (int64_t d = 0; d < Dv; d += 16) {
+                    __m512 v = _mm512_loadu_ps(src + d);
+                    if (bf16) v = round_bf16(v);
+                    v = _mm512_mul_ps(v, r);
+                    if (bf16) v = round_bf16(v);
+                    v = _mm512_mul_ps(_mm512_loadu_ps(weight + d), v);
+                    if (bf16) v = round_bf16(v);
+                    v = _mm512_mul_ps(v, silu16(load16(x, zrow + d, bf16)));
+                    if (bf16) {
+                        const __m256i h16 = _mm512_cvtepi32_epi16(
+                            _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + dst + d), h16);
+                    } else {
+                        _mm512_storeu_ps((float *)out + dst + d, v);
+                    }
+                }
+            }
+    return 0;
+}
