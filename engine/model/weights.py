@@ -174,7 +174,11 @@ def check_checkpoint(model_dir: str | Path, *,
     files, stored = _wrapper_names(files)
     expected = {stored(to_checkpoint_name(n, cfg)): (n, tuple(p.shape))
                 for n, p in model.state_dict().items()}
-    _check_names(expected, files, cfg, model_dir, {stored(n) for n in _unused(cfg)})
+    ignorable = {stored(n) for n in _unused(cfg)} | \
+        ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    _check_names(expected, files, model_dir,
+                 lambda n: n in ignorable or n.endswith("rotary_emb.inv_freq") or
+                 (cfg.mtp_naming == "deepseek" and n.endswith(_SHARED_COPIES)))
     return model, expected, files
 
 
@@ -222,12 +226,11 @@ def _add_heads(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> ModelCon
     return cfg
 
 
-def _check_names(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
-                 cfg: ModelConfig, model_dir: Path, unused: set[str]) -> None:
-    ignorable = unused | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    unexpected = [n for n in files if n not in expected and n not in ignorable
-                  and not (cfg.mtp_naming == "deepseek" and n.endswith(_SHARED_COPIES))
-                  and not n.endswith("rotary_emb.inv_freq")]
+def _check_names(expected: Expected, files: dict[str, Path], model_dir: Path,
+                 ignorable: Callable[[str], bool]) -> None:
+    """Every tensor expected is in its file with its shape, and every other one stored is
+    `ignorable`; else CheckpointError naming the file and tensor."""
+    unexpected = [n for n in files if n not in expected and not ignorable(n)]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensors "
                               f"{', '.join(map(repr, unexpected[:8]))}" + _more(unexpected, 8))
@@ -254,8 +257,10 @@ def _more(names: list[str], shown: int = 1) -> str:
     return f" (and {len(names) - shown} more)" if len(names) > shown else ""
 
 
-def _read_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[str, Path],
+def _read_tensors(expected: Expected, files: dict[str, Path],
                   device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The expected tensors by our names, floating ones in `dtype` (others as stored: an
+    assistant's token ordering)."""
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -264,7 +269,8 @@ def _read_tensors(expected: dict[str, tuple[str, tuple[int, ...]]], files: dict[
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as st:
                 for name in names:
-                    state[expected[name][0]] = st.get_tensor(name).to(dtype)
+                    t = st.get_tensor(name)
+                    state[expected[name][0]] = t.to(dtype) if t.is_floating_point() else t
         except Exception as e:  # safetensors raises its own error types; name the file
             raise CheckpointError(f"{f}: cannot read tensors: {e}") from None
     return state
@@ -322,35 +328,11 @@ def load_assistant(path: str | Path, target: ModelConfig, *,
         raise ConfigError(f"{path}: {e}") from None
     with torch.device("meta"):
         assistant = Assistant(cfg, target)
-    shapes = {n: tuple(t.shape) for n, t in assistant.state_dict().items()}
+    expected = {n: (n, tuple(t.shape)) for n, t in assistant.state_dict().items()}
     files = checkpoint_files(path)
-    _check_assistant_names(path, shapes, files, cfg)
-    state: dict[str, torch.Tensor] = {}
-    for name in shapes:
-        with safe_open(str(files[name]), framework="pt", device=str(device)) as st:
-            t = st.get_tensor(name)
-        state[name] = t.to(dtype) if t.is_floating_point() else t
+    tied = cfg.tie_word_embeddings
+    _check_names(expected, files, path, lambda n: (tied and n == "lm_head.weight") or
+                 n.endswith(("rotary_emb.inv_freq", "_inv_freq")))
+    state = _read_tensors(expected, files, torch.device(device), dtype)
     assistant.load_state_dict(state, assign=True, strict=True)
     return assistant.eval()
-
-
-def _check_assistant_names(path: Path, shapes: dict[str, tuple[int, ...]],
-                           files: dict[str, Path], cfg: AssistantConfig) -> None:
-    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unexpected = [n for n in files if n not in shapes and n not in ignorable
-                  and not n.endswith(("rotary_emb.inv_freq", "_inv_freq"))]
-    if unexpected:
-        raise CheckpointError(f"{path}: unexpected tensors in the assistant "
-                              f"{', '.join(map(repr, unexpected[:8]))}")
-    headers: dict[Path, dict[str, dict]] = {}
-    for name, shape in shapes.items():
-        if name not in files:
-            raise CheckpointError(f"{path}: the assistant lacks tensor {name!r}")
-        if files[name] not in headers:
-            headers[files[name]] = read_header(files[name])
-        header = headers[files[name]]
-        got = tuple(header[name]["shape"]) if name in header else None
-        if got != shape:
-            raise CheckpointError(f"{files[name]}: tensor {name!r} has shape "
-                                  f"{None if got is None else list(got)}, expected "
-                                  f"{list(shape)}")
