@@ -159,7 +159,7 @@ class Gemma4Model(nn.Module):
         """Final-normed hidden states [B, S, H] (cache-free over whole sequences without a
         batch, else over the slots' caches)."""
         cfg = self.cfg
-        x = scaled(self.embed_tokens(tokens), cfg.hidden_size)
+        x = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, x)
         ring = next((ring_size(c) for c in caches or [] if ring_size(c)), 0)
         masks = attention_masks(batch, tokens.shape[1], cfg.sliding_window, tokens.device, ring)
@@ -170,6 +170,10 @@ class Gemma4Model(nn.Module):
                       None if per_layer is None else per_layer[:, :, i],
                       batch, None if caches is None else caches[i])
         return self.norm(x)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The input embedding, scaled by sqrt(hidden)."""
+        return scaled(self.embed_tokens(tokens), self.cfg.hidden_size)
 
     def per_layer_inputs(self, tokens: Tensor, x: Tensor) -> Tensor | None:
         """Each layer's input embedding [B, S, L, P]: (norm(proj(x) / sqrt(H)) +

@@ -23,7 +23,7 @@ from engine.model.assistant import Assistant
 from engine.model.attention import Attention
 from engine.model.block import DecoderBlock, run_block
 from engine.model.config import ModelConfig
-from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model, scaled
+from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
 from engine.model.layers import norm, rope_tables, same_path
 from engine.model.mtp import MTPModule, Rope
 
@@ -70,8 +70,9 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """The trunk's input embedding of tokens (Gemma 4's scaled by sqrt(hidden))."""
-        emb = self.model.embed_tokens(tokens)
-        return scaled(emb, self.cfg.hidden_size) if isinstance(self.model, Gemma4Model) else emb
+        if isinstance(self.model, Gemma4Model):
+            return self.model.embed(tokens)
+        return self.model.embed_tokens(tokens)
 
     def head(self, h: Tensor) -> Tensor:
         if self.head_weight is not None:  # quantized (engine/model/quant.py)
