@@ -139,12 +139,12 @@ def test_bench_engine_on_a_tiny_gemma4_and_its_assistant(tmp_path: Path) -> None
                  "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    if not str(result["exact"]).startswith("on"):
-        pytest.skip(f"exact: {result['exact']}")
-    assert result["identical_to_ar"] is True
     assert result["drafter"] == "assistant" and "assistant K=2" in proc.stdout
     assert result["fixed"]["2"]["tokens_per_step"] >= 1  # the assistant's drafts, verified
     assert result["acceptance_by_position"][0] is not None
+    if not str(result["exact"]).startswith("on"):  # no identity promised on this device
+        pytest.skip(f"exact: {result['exact']}")
+    assert result["identical_to_ar"] is True
     assert "identical to autoregressive: True" in proc.stdout
 
 
