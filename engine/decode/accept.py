@@ -51,7 +51,11 @@ def accept_greedy(drafts: Tensor, logits: Tensor, nd: Tensor) -> tuple[Tensor, T
     """Greedy verification: d_i is kept while it equals argmax p_i (and i <= nd)."""
     # fp32: the same maximum and first index, and ATen's bf16 argmax on the CPU is a scalar
     # loop (1 ms over a 152k vocabulary per row, 15x the cast and an fp32 argmax)
-    target = logits.float().argmax(dim=-1)  # [B, K+1]
+    return accept_target(drafts, logits.float().argmax(dim=-1), nd)
+
+
+def accept_target(drafts: Tensor, target: Tensor, nd: Tensor) -> tuple[Tensor, Tensor]:
+    """`accept_greedy` given the target's argmax [B, K+1]."""
     k = drafts.shape[-1]
     real = torch.arange(k, device=drafts.device) < nd[:, None]
     n = ((drafts == target[:, :k]) & real).int().cumprod(-1).sum(-1)

@@ -91,9 +91,15 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
         pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
         out = model.mtp_forward(m, h, prev[:, None], caches.rope(pos),
                                 CacheBatch(slots, pos, kv_len, span), caches.modules[m])
-    logits = model.mtp_logits(m, out)  # [B, 1, V]
-    tok, q = sampling.pick(logits, (base + j)[:, None], DRAFT)  # for position base + j
-    conf = _confidence(logits, tok, q) if confident else torch.ones_like(chain.survival)
+    greedy = None if sampling.sampled else model.mtp_greedy(m, out)
+    if greedy is not None:
+        tok, top = greedy
+        q = None
+        conf = top[:, 0] if confident else torch.ones_like(chain.survival)
+    else:
+        logits = model.mtp_logits(m, out)  # [B, 1, V]
+        tok, q = sampling.pick(logits, (base + j)[:, None], DRAFT)  # for position base + j
+        conf = _confidence(logits, tok, q) if confident else torch.ones_like(chain.survival)
     rows = slots[:, None]  # [B, 1] against j [1]: tensor indices, not a read of j's value
     state.tokens[rows, j] = tok
     state.confidence[rows, j - 1] = conf[:, None]

@@ -21,13 +21,14 @@ from torch import Tensor
 
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
-from engine.decode.accept import accept, accept_synthetic
+from engine.decode.accept import accept, accept_synthetic, accept_target
 from engine.decode.assist import assist
 from engine.decode.draft import DraftFn, draft_chain, draft_one
 from engine.decode.quality import token_logprobs
 from engine.decode.sampling import RowSampling
 from engine.decode.state import DecodeState
 from engine.model.transformer import Transformer
+from engine.native import rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +97,22 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
     q = _draft_probs(state, slots, tokens, width) if shape.sampled else None
-    logits = model.head(h).float()  # [B, W, V]: once for the argmax, log-probs and p
-    out, n = accept(tokens[:, 1:], logits, state.num_drafts[slots], q,
-                    row_sampling(state, slots, shape), pos + 1)
+    logits = model.head(h)  # [B, W, V]: once for the argmax, log-probs and p
+    lse = None
+    if not shape.sampled and rows.takes_logits(logits):  # argmax, log-sum-exp: one pass
+        target, lse = rows.argmax_lse(logits)
+        out, n = accept_target(tokens[:, 1:], target, state.num_drafts[slots])
+    else:
+        logits = logits.float()
+        out, n = accept(tokens[:, 1:], logits, state.num_drafts[slots], q,
+                        row_sampling(state, slots, shape), pos + 1)
     if state.synthetic is not None:  # a benchmark's chosen acceptance
         out, n = accept_synthetic(tokens[:, 1:], out, state.num_drafts[slots], state.synthetic,
                                   state.seed[slots], pos + 1)
-    logp = token_logprobs(logits, out)
+    if lse is None:
+        logp = token_logprobs(logits, out)
+    else:
+        logp = logits.gather(-1, out[..., None]).squeeze(-1).float() - lse
     pending = out.gather(1, n[:, None])  # [B, 1]: the target's own token
     caches.commit(slots, n)  # recurrent layers: the state after the last kept position
     state.lengths[slots] = length + n + 1  # the pending token's position

@@ -37,8 +37,8 @@ class DecoderBlock(nn.Module):
         else:
             assert cache is None or isinstance(cache, KVCache)
             mixed = self.self_attn(self.input_layernorm(x), rope, batch, cache)
-        h = x + mixed
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.residual(x, mixed)
+        return h + self.mlp(normed)
 
 
 def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.config import FULL, SLIDING, ModelConfig
+from engine.native import rows
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if rows.usable(x) and self.weight.dtype == x.dtype:
+            return rows.rms_norm(x, self.weight, float(self.offset), self.eps, self.upcast)[1]
         if x.dtype == torch.float32 and not self.offset:  # one kernel, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32; scale in the input dtype (Llama, Qwen2/3) or in fp32 (Qwen3.5,
@@ -34,6 +37,15 @@ class RMSNorm(nn.Module):
         if self.upcast:
             return (xf * (self.weight.float() + float(self.offset))).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def residual(self, x: Tensor, res: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + res, its norm): the residual add and the norm after it, one kernel where
+        `rows` runs."""
+        if rows.usable(x) and self.weight.dtype == x.dtype == res.dtype:
+            return rows.rms_norm(x, self.weight, float(self.offset), self.eps, self.upcast,
+                                 res)
+        h = x + res
+        return h, self(h)
 
 
 def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
@@ -106,7 +118,10 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is None:
             return self.down_proj(activation(self.gate_proj(x), self.gelu) * self.up_proj(x))
-        gate, up = self.fused(x).chunk(2, dim=-1)
+        gu = self.fused(x)
+        if not self.gelu and rows.usable(gu):
+            return self.down_proj(rows.silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(activation(gate, self.gelu) * up)
 
 
@@ -234,6 +249,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     HF's x * cos + cat(-x2, x1) * sin, bit for bit (negation is exact), in four kernels: the
     sign sits in the table and the half swap is a roll."""
+    if rows.usable(x) and (y := rows.rope(x, cos, sin)) is not None:
+        return y
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)

@@ -12,6 +12,7 @@ A Gemma 4 model may draft with its assistant (`assistant.py`) in the MTP modules
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,10 @@ from engine.model.config import ModelConfig
 from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
 from engine.model.layers import norm, rope_tables, same_path
 from engine.model.mtp import MTPModule, Rope
+from engine.native import rows
+
+if TYPE_CHECKING:
+    from engine.decode.draft_vocab import DraftHead
 
 
 class TrunkModel(nn.Module):
@@ -51,7 +56,7 @@ class Transformer(nn.Module):
         # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).
-        self.draft_head: Callable[[Tensor], Tensor] | None = None
+        self.draft_head: DraftHead | None = None
         # A drafter of its own checkpoint in the MTP modules' place (Gemma 4's assistant,
         # model/assistant.py), attached after loading.
         self.assistant: Assistant | None = None
@@ -122,6 +127,21 @@ class Transformer(nn.Module):
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         head = self.draft_head or self.head
         return head(module.norm(out))
+
+    def mtp_greedy(self, i: int, out: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Module i's greedy draft and the softmax's probability of it, [B, S] each, from
+        one pass over its logits where our kernels take them (rows.c; the drafts' reduced
+        vocabulary scored alone, none of the -inf logits outside it made): what
+        `mtp_logits`, an argmax and a softmax give. None elsewhere."""
+        if self.assistant is not None or not rows.takes_logits(out):
+            return None
+        module: MTPModule = self.mtp[i]  # type: ignore[assignment]
+        x = module.norm(out)
+        logits = self.head(x) if self.draft_head is None else self.draft_head.rows(x)
+        index, lse = rows.argmax_lse(logits)
+        top = logits.gather(-1, index[..., None]).squeeze(-1).float()
+        tok = index if self.draft_head is None else self.draft_head.ids[index]
+        return tok, torch.exp(top - lse)
 
     def chain_hidden(self, i: int, out: Tensor) -> Tensor:
         """What the next draft step receives as its hidden state."""

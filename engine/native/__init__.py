@@ -1,6 +1,7 @@
 """Our own CPU kernels for AVX-512 VNNI CPUs: products by int4 and int8 weights (wq.c), the
-attention of a cached forward (attention.c) and Gated DeltaNet's delta rule a position at a
-time (deltanet.c).
+attention of a cached forward (attention.c), Gated DeltaNet's delta rule a position at a
+time (deltanet.c) and the rest of its step (gdn.c), and the small row-wise operators of a
+bf16 step: norms, the SwiGLU gate, rotary embeddings, the logits' argmax (rows.c, rows.py).
 
 The source ships with the package and is compiled on first use by the system's C compiler
 (`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the source, the
@@ -29,7 +30,7 @@ from torch import Tensor
 from engine.paths import cache_dir, write_replacing
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("wq.c", "attention.c", "deltanet.c", "gdn.c"))
+                for name in ("wq.c", "attention.c", "deltanet.c", "gdn.c", "rows.c"))
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC", "-lm")
@@ -44,6 +45,7 @@ class NativeUnavailable(RuntimeError):
 
 class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib  # (rows.py declares its own functions)
         fn = lib.wq_linear
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,

@@ -1,0 +1,170 @@
+/* The small row-wise operators of a bf16 step between its products, on AVX-512 CPUs: RMSNorm
+(after the residual add where one comes first), the SwiGLU gate, rotary embeddings, and the
+argmax and log-sum-exp of a row of logits.
+
+Why: as tensor operations a layer's norms, gate and rotary are some thirty operators a step,
+each costing more in dispatch than in arithmetic, and those over several rows (a verify
+window) cost more again; the logits' argmax and log-sum-exp were five passes over a
+152k-entry row, each converting or writing it anew.
+
+Each row is computed alone, element by element in a fixed order, so a row's bits never
+depend on the rows beside it. Where torch rounds after every operator, so do these: the
+rotary embedding gives torch's bits exactly (x cos + roll(x) sin, each product and the sum
+rounded to bf16); the norm and the gate round where torch does, but their sums and exp are
+our own, so their last bit may differ from torch's (never between two calls of ours).
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "vecmath.h"
+
+static inline __mmask16 tail(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* v, already a bf16 value in fp32 (round_bf16's), stored as bf16. */
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* RMSNorm of rows of `dim` bf16 values, row r at x + r * x_stride: h = x (+ res, rounded:
+   the residual add, written to h_out, row r at r * dim), then with r = 1 / sqrt(mean(h^2) +
+   eps), by the bf16 weight w: when `upcast`, round(h r (w + offset)) (Qwen3.5, Gemma 4, the
+   offset added in fp32); else round(w round(h r)) (Llama, Qwen2/3). out: row r at r * dim. */
+void rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *res, int64_t res_stride,
+              uint16_t *h_out, int64_t rows, int64_t dim, const uint16_t *w, float offset,
+              float eps, int upcast, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        if (res) {  /* the residual add first, rounded as torch's bf16 add */
+            uint16_t *hr = h_out + r * dim;
+            for (int64_t i = 0; i < dim; i += 16) {
+                const __mmask16 m = tail(dim - i);
+                const __m512 v = _mm512_add_ps(load_bf16(xr + i, m),
+                                               load_bf16(res + r * res_stride + i, m));
+                store_bf16(hr + i, round_bf16(v), m);
+            }
+            xr = hr;
+        }
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __m512 v = load_bf16(xr + i, tail(dim - i));
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) * (1.0f / (float)dim) + eps);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < dim; i += 16) {
+            const __mmask16 m = tail(dim - i);
+            const __m512 t = _mm512_mul_ps(load_bf16(xr + i, m), s);
+            const __m512 wv = load_bf16(w + i, m);
+            const __m512 y = upcast ? _mm512_mul_ps(t, _mm512_add_ps(wv, _mm512_set1_ps(offset)))
+                                    : _mm512_mul_ps(wv, round_bf16(t));
+            store_bf16(out + r * dim + i, round_bf16(y), m);
+        }
+    }
+}
+
+/* SwiGLU's gate: out = round(round(silu(g)) u) for rows of gu = [g (width) | u (width)],
+   row r at gu + r * stride; out row r at r * width. */
+void silu_mul(const uint16_t *gu, int64_t stride, int64_t rows, int64_t width, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * stride, *u = g + width;
+        for (int64_t i = 0; i < width; i += 16) {
+            const __mmask16 m = tail(width - i);
+            const __m512 s = round_bf16(silu16(load_bf16(g + i, m)));
+            store_bf16(out + r * width + i, round_bf16(_mm512_mul_ps(s, load_bf16(u + i, m))), m);
+        }
+    }
+}
+
+/* Rotary embedding of x [rows, heads, dim] (element (r, h, d) at r * row_stride +
+   h * head_stride + d) by cos and sin [rows, rot] (bf16; sin's first half negated): out[.., i] = round(round(x_i cos_i) + round(x_j sin_i)), j = i + rot/2 for the
+   first half and i - rot/2 for the second; dims past rot copied. out: [rows, heads, dim]. */
+void rope(const uint16_t *x, int64_t row_stride, int64_t head_stride, int64_t rows,
+          int64_t heads, int64_t dim, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+          uint16_t *out) {
+    const int64_t half = rot / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * rot, *s = sin + r * rot;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xh = x + r * row_stride + h * head_stride;
+            uint16_t *o = out + (r * heads + h) * dim;
+            for (int part = 0; part < 2; part++) {
+                const int64_t base = part * half, other = part ? 0 : half;
+                for (int64_t i = 0; i < half; i += 16) {
+                    const __mmask16 m = tail(half - i);
+                    const __m512 a = round_bf16(_mm512_mul_ps(
+                        load_bf16(xh + base + i, m), load_bf16(c + base + i, m)));
+                    const __m512 b = round_bf16(_mm512_mul_ps(
+                        load_bf16(xh + other + i, m), load_bf16(s + base + i, m)));
+                    store_bf16(o + base + i, round_bf16(_mm512_add_ps(a, b)), m);
+                }
+            }
+            for (int64_t i = rot; i < dim; i++) o[i] = xh[i];
+        }
+    }
+}
+
+/* Per row of `v` values (row r at x + r * stride; fp32, or bf16 when bf16 != 0): the index
+   of its first maximum (a NaN counting as the maximum, its first one, as torch's argmax) and
+   log sum exp. */
+void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16,
+                int64_t *index, float *lse, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * stride * (bf16 ? 2 : 4);
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i at = _mm512_set1_epi32(0x7fffffff);
+        __mmask16 nan = 0;
+        for (int64_t i = 0; i < v; i += 16) {
+            const __mmask16 m = tail(v - i);
+            const __m512 e = bf16 ? load_bf16((const uint16_t *)row + i, m)
+                                  : _mm512_maskz_loadu_ps(m, (const float *)row + i);
+            nan |= _mm512_mask_cmp_ps_mask(m, e, e, _CMP_UNORD_Q);
+            const __mmask16 more = _mm512_mask_cmp_ps_mask(m, e, best, _CMP_GT_OQ);
+            best = _mm512_mask_mov_ps(best, more, e);
+            at = _mm512_mask_mov_epi32(at, more, _mm512_add_epi32(
+                _mm512_set1_epi32((int)i), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                             11, 12, 13, 14, 15)));
+        }
+        if (nan) {  /* torch's answer: the first NaN */
+            int64_t i = 0;
+            for (;; i++) {
+                float e;
+                if (bf16) {
+                    union { uint32_t u; float f; } b = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
+                    e = b.f;
+                } else {
+                    e = ((const float *)row)[i];
+                }
+                if (e != e) break;
+            }
+            index[r] = i;
+            lse[r] = NAN;
+            continue;
+        }
+        const float top = _mm512_reduce_max_ps(best);
+        const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        index[r] = top == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(tops, at);
+        if (top == -INFINITY) {
+            lse[r] = -INFINITY;
+            continue;
+        }
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 t = _mm512_set1_ps(top);
+        for (int64_t i = 0; i < v; i += 16) {
+            const __mmask16 m = tail(v - i);
+            const __m512 e = bf16 ? load_bf16((const uint16_t *)row + i, m)
+                                  : _mm512_maskz_loadu_ps(m, (const float *)row + i);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(e, t))));
+        }
+        lse[r] = top + logf(_mm512_reduce_add_ps(sum));
+    }
+}

@@ -1,0 +1,163 @@
+"""The row-wise kernels of rows.c from torch: RMSNorm (with the residual add before it), the
+SwiGLU gate, rotary embeddings, and the argmax and log-sum-exp of logits.
+
+They run where a step runs in bf16 on a CPU with our kernels, with no gradient to keep
+(inference); elsewhere the callers' torch operators do. A compiled step calls them as
+custom operators, so compiled and eager passes of one engine give the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine import native
+
+i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _fns() -> tuple[Any, ...]:  # ctypes functions
+    lib = native.kernels().lib
+    norm, gate, rope, top = lib.rms_norm, lib.silu_mul, lib.rope, lib.argmax_lse
+    norm.restype = gate.restype = rope.restype = top.restype = None
+    norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_float,
+                     ctypes.c_int, ptr]
+    gate.argtypes = [ptr, i64, i64, i64, ptr]
+    rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
+    top.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_int]
+    return norm, gate, rope, top
+
+
+def usable(x: Tensor) -> bool:
+    """Whether these kernels take x: bf16 on the CPU, in inference, where the kernels run."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and native.available())
+
+
+def takes_logits(x: Tensor) -> bool:
+    """Whether `argmax_lse` takes these logits (fp32 or bf16, on the CPU, in eager
+    inference, where the kernels run)."""
+    return (x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and native.available())
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x as rows of its last dim (a view where the strides allow), elements contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
+             residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(h, y): h = x + residual (x itself without one), y its RMSNorm (see rows.c) by the
+    bf16 `weight` (plus `offset` when `upcast`)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.rms_norm(x, weight, offset, eps, upcast, residual)
+    return _rms_norm(x, weight, offset, eps, upcast, residual)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
+              residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    weight = weight.contiguous()
+    rows = _rows(x)
+    n, dim = rows.shape
+    out = torch.empty(x.shape, dtype=x.dtype)
+    h = x
+    res = None
+    if residual is not None:
+        res = _rows(residual.expand(x.shape))
+        h = torch.empty(x.shape, dtype=x.dtype)
+    _fns()[0](rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
+              0 if res is None else res.stride(0), h.data_ptr() if res is not None else None,
+              n, dim, weight.data_ptr(), offset, eps, int(upcast), out.data_ptr())
+    return h, out
+
+
+def silu_mul(gu: Tensor) -> Tensor:
+    """silu(g) * u for gu = [g | u] along its last dim, rounded as torch rounds each."""
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.silu_mul(gu)
+    return _silu_mul(gu)
+
+
+def _silu_mul(gu: Tensor) -> Tensor:
+    rows = _rows(gu)
+    width = rows.shape[1] // 2
+    out = torch.empty(*gu.shape[:-1], width, dtype=gu.dtype)
+    _fns()[1](rows.data_ptr(), rows.stride(0), rows.shape[0], width, out.data_ptr())
+    return out
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+    """`apply_rope` (model/layers.py) of x [B, S, H, D] by cos, sin [S, 1, R] or
+    [B, S, 1, R], with torch's bits; None where the strides do not suit (torch's path then)."""
+    bsz, seqlen, _, dim = x.shape
+    rot = cos.shape[-1]
+    if x.stride(-1) != 1 or (bsz > 1 and x.stride(0) != seqlen * x.stride(1)) \
+            or cos.dtype != x.dtype or sin.dtype != x.dtype or rot % 2 or rot > dim:
+        return None
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.rope(x, cos, sin)
+    return _rope(x, cos, sin)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    bsz, seqlen, heads, dim = x.shape
+    rot = cos.shape[-1]
+    c, s = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _fns()[2](x.data_ptr(), x.stride(1), x.stride(2), bsz * seqlen, heads, dim,
+              c.data_ptr(), s.data_ptr(), rot, out.data_ptr())
+    return out
+
+
+def argmax_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row of logits [..., V] (bf16 or fp32): the index of its first maximum (torch's
+    argmax) and its log-sum-exp (fp32)."""
+    rows = _rows(logits)
+    index = torch.empty(rows.shape[0], dtype=torch.int64)
+    lse = torch.empty(rows.shape[0], dtype=torch.float32)
+    _fns()[3](rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
+              int(rows.dtype == torch.bfloat16), index.data_ptr(), lse.data_ptr(),
+              torch.get_num_threads())
+    shape = logits.shape[:-1]
+    return index.view(shape), lse.view(shape)
+
+
+@torch.library.custom_op("ahead::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
+                 residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    h, y = _rms_norm(x, weight, offset, eps, upcast, residual)
+    return (h.clone() if h is x else h), y  # a custom operator's outputs are its own
+
+
+@_rms_norm_op.register_fake
+def _(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
+      residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("ahead::silu_mul", mutates_args=())
+def _silu_mul_op(gu: Tensor) -> Tensor:
+    return _silu_mul(gu)
+
+
+@_silu_mul_op.register_fake
+def _(gu: Tensor) -> Tensor:
+    return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+@torch.library.custom_op("ahead::rope", mutates_args=())
+def _rope_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _rope(x, cos, sin)
+
+
+@_rope_op.register_fake
+def _(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x.new_empty(x.shape)
