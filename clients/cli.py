@@ -84,6 +84,8 @@ def _bench_steps(args: argparse.Namespace) -> int:
 
     # the MTP modules' steps (the context's drafts are not what synthetic rates stand for)
     mtp_only = {"drafts": "mtp"}
+    if args.rounds < 1:
+        raise CliError(f"--rounds must be at least 1, not {args.rounds}")
     if args.peer:  # checked before minutes of our own runs, not after them
         if not args.peer_model:
             raise CliError("--peer needs --peer-model (the same shapes as a GGUF file)")
@@ -129,7 +131,8 @@ def _bench_steps(args: argparse.Namespace) -> int:
     try:
         result = bench_steps(engine, context=args.context or 2000,
                              new_tokens=args.max_new_tokens, ks=ks, slots=args.slots,
-                             synthetic=synthetic, progress=progress, peer=peer)
+                             synthetic=synthetic, progress=progress, peer=peer,
+                             rounds=args.rounds)
     except PeerError as e:
         raise CliError(str(e)) from None
     result |= {"preset": name, "device": str(engine.device),
@@ -433,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "plain decoding (step timings mode)")
     eng.add_argument("--context", type=int, help="prompt tokens in step timings mode "
                      "(default 2000)")
+    eng.add_argument("--rounds", type=int, default=2,
+                     help="step timings mode: generations per mode, plain decoding and each "
+                     "K taking turns (medians over all their steps)")
     eng.add_argument("--synthetic-acceptance", metavar="P1,P2,...",
                      help="step timings mode: keep the draft at position i with probability "
                      "Pi whatever the model says (as llama-server's --spec-synth-rates), to "

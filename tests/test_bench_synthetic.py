@@ -29,7 +29,8 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
                            "tiny-qwen3", "--synthetic-acceptance", "1,1", "--ks", "1,2",
-                           "--context", "64", "--max-new-tokens", "25", "--json", str(out)],
+                           "--context", "64", "--max-new-tokens", "25", "--rounds", "3",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
@@ -39,6 +40,15 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
     # what that buys in tokens/s is the bench's figure, not a test's
     assert 2.5 <= r["tokens_per_step_by_k"]["2"] <= 3
     assert 1.5 <= r["tokens_per_step_by_k"]["1"] <= 2
+    # the modes took turns 3 times; each ratio is of medians over all their steps
+    assert r["rounds"] == 3 and "round 3 of 3" in proc.stderr
+    for k in ("1", "2"):
+        assert r["step_ratio_by_k"][k] == r["step_ms_by_k"][k] / r["ar_step_ms"]
+        assert r["draft_ms_by_k"][k] == (r["step_ms_by_k"][k] - r["verify_ms_by_k"][k]) / int(k)
+    zero = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
+                           "tiny-qwen3", "--rounds", "0"], capture_output=True, text=True,
+                          timeout=600)
+    assert zero.returncode != 0 and "--rounds must be at least 1" in zero.stderr
     bad = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
                           "tiny-qwen3", "--synthetic-acceptance", "0.9,1.5"],
                          capture_output=True, text=True, timeout=600)

@@ -62,11 +62,13 @@ def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: in
 def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                 ks: list[int] | None = None, slots: int = 1,
                 synthetic: list[float] | None = None, progress: Progress | None = None,
-                peer: Callable[[list[int], int], dict[str, Any]] | None = None) -> dict[str, Any]:
+                peer: Callable[[list[int], int], dict[str, Any]] | None = None,
+                rounds: int = 2) -> dict[str, Any]:
     """`synthetic`: per draft position, the probability of keeping a draft, in place of the
     acceptance rule (random weights accept nothing): speculative speed at that acceptance.
     Output then is not the model's, and `identical_to_ar` is None. `peer(prompt, new_tokens)`:
-    another engine's figures on the same prompt (`peer.peer_steps`), under "peer"."""
+    another engine's figures on the same prompt (`peer.peer_steps`), under "peer". Each
+    step figure is the median over `rounds` generations, the modes taking turns."""
     say = progress or (lambda _: None)
     if synthetic is not None:
         rates = [*synthetic, *[0.0] * engine.k_max][:max(engine.k_max, 1)]
@@ -81,25 +83,49 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                            "load_s": engine.load_seconds}
     say("prefill")
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
-    say("plain decoding")
-    plain, ar_steps = _timed(engine, prompts[0],
-                             _params(new_tokens, speculative=False))
-    out["ar_step_ms"] = statistics.median(ar_steps) * 1e3
-    out["ar_tokens_per_s"] = 1e3 / out["ar_step_ms"]
+    # Plain decoding, each K and each verify-only K take turns, `rounds` times: a machine
+    # whose speed drifts during the run moves all of them alike, and their ratios hold.
+    modes: list[tuple[str, int]] = [("plain", 0), *(("k", k) for k in ks),
+                                    *(("verify", k) for k in ks)]
+    times: dict[tuple[str, int], list[float]] = {m: [] for m in modes}
+    made: dict[tuple[str, int], int] = dict.fromkeys(modes, 0)
+    plain: list[int] | None = None
     identical = True
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
+    for r in range(rounds):
+        say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
+            f"(round {r + 1} of {rounds})")
+        for mode in modes:
+            kind, k = mode
+            if kind == "verify":
+                times[mode] += _verify_timed(engine, prompts[0], new_tokens, k)
+                continue
+            params = _params(new_tokens, speculative=False) if kind == "plain" \
+                else _params(new_tokens, k=k)
+            tokens, ts = _timed(engine, prompts[0], params)
+            times[mode] += ts
+            made[mode] += len(tokens) - 1
+            plain = tokens if kind == "plain" and plain is None else plain
+            identical &= tokens == plain
+    assert plain is not None
+    out["rounds"] = rounds
+    out["ar_step_ms"] = statistics.median(times["plain", 0]) * 1e3
+    out["ar_tokens_per_s"] = 1e3 / out["ar_step_ms"]
     out["step_ms_by_k"], out["tokens_per_s_by_k"], out["tokens_per_step_by_k"] = {}, {}, {}
+    out["verify_ms_by_k"], out["draft_ms_by_k"] = {}, {}
     for k in ks:
-        say(f"K={k}")
-        tokens, times = _timed(engine, prompts[0], _params(new_tokens, k=k))
-        identical &= tokens == plain
-        out["step_ms_by_k"][str(k)] = statistics.median(times) * 1e3
-        out["tokens_per_s_by_k"][str(k)] = (len(tokens) - 1) / sum(times)
-        out["tokens_per_step_by_k"][str(k)] = (len(tokens) - 1) / len(times)
-    out |= _draft_costs(engine, prompts[0], new_tokens, ks, out["step_ms_by_k"],
-                        out["ar_step_ms"])
-    tokens, times = _timed(engine, prompts[0], _params(new_tokens))
+        step = out["step_ms_by_k"][str(k)] = statistics.median(times["k", k]) * 1e3
+        out["tokens_per_s_by_k"][str(k)] = made["k", k] / sum(times["k", k])
+        out["tokens_per_step_by_k"][str(k)] = made["k", k] / len(times["k", k])
+        verify = out["verify_ms_by_k"][str(k)] = statistics.median(times["verify", k]) * 1e3
+        out["draft_ms_by_k"][str(k)] = (step - verify) / k
+    out["step_ratio_by_k"] = {k: ms / out["ar_step_ms"] for k, ms in out["step_ms_by_k"].items()}
+    out["draft_share_by_k"] = {k: ms / out["ar_step_ms"]
+                               for k, ms in out["draft_ms_by_k"].items()}
+    tokens, adaptive = _timed(engine, prompts[0], _params(new_tokens))
     identical &= tokens == plain
-    out["adaptive_tokens_per_s"] = (len(tokens) - 1) / sum(times)
+    out["adaptive_tokens_per_s"] = (len(tokens) - 1) / sum(adaptive)
     if slots > 1:
         say(f"{slots} slots batched")
         out |= _batched(engine, prompts, new_tokens)
@@ -124,18 +150,6 @@ def _params(new_tokens: int, **kw: Any) -> GenParams:
     """Every generation here runs its full length: random weights write an end token or fall
     into a loop anywhere, and a step is timed whatever its tokens."""
     return GenParams(new_tokens, stop_loops=False, ignore_eos=True, **kw)
-
-
-def _draft_costs(engine: Engine, prompt: list[int], new_tokens: int, ks: list[int],
-                 step_ms: dict[str, float], plain_ms: float) -> dict[str, Any]:
-    """What drafting costs: each K's step (verify K, draft K) less a verify step of K
-    (the same K drafts given, none made), per draft, and that as a share of a plain step."""
-    verify, per_draft = {}, {}
-    for k in ks:
-        verify[str(k)] = statistics.median(_verify_timed(engine, prompt, new_tokens, k)) * 1e3
-        per_draft[str(k)] = (step_ms[str(k)] - verify[str(k)]) / k
-    return {"verify_ms_by_k": verify, "draft_ms_by_k": per_draft,
-            "draft_share_by_k": {k: ms / plain_ms for k, ms in per_draft.items()}}
 
 
 def _verify_timed(engine: Engine, prompt: list[int], new_tokens: int, k: int) -> list[float]:
@@ -250,6 +264,7 @@ def format_report(r: dict[str, Any]) -> str:
     by_k = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["step_ms_by_k"].items())
     rate_k = " ".join(f"K={k}:{t:.1f}" for k, t in r.get("tokens_per_s_by_k", {}).items())
     unit = "kernels" if r.get("device", "cpu").startswith("cuda") else "operators"
+    ratio = " ".join(f"K={k}:{x:.2f}x" for k, x in r.get("step_ratio_by_k", {}).items())
     verify = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["verify_ms_by_k"].items())
     per_draft = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["draft_ms_by_k"].items())
     share = " ".join(f"K={k}:{x:.2f}" for k, x in r["draft_share_by_k"].items())
@@ -259,7 +274,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['context']}, {r['new_tokens']} new tokens",
         f"prefill of {r['context']} tokens: {r['prefill_ms']:.1f} ms",
         f"plain decoding step: {r['ar_step_ms']:.2f} ms ({r['ar_tokens_per_s']:.1f} tokens/s)",
-        f"step ms by K: {by_k}",
+        f"step ms by K: {by_k} (of a plain step: {ratio}; medians of {r.get('rounds', 1)} "
+        f"rounds, the modes taking turns)",
         f"verify-only step ms by K (K drafts given, none made): {verify}",
         f"draft ms per token by K (step - verify-only) / K: {per_draft} "
         f"(share of a plain step: {share})",
