@@ -88,6 +88,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     modes: list[tuple[str, int]] = [("plain", 0), *(("k", k) for k in ks),
                                     *(("verify", k) for k in ks)]
     times: dict[tuple[str, int], list[float]] = {m: [] for m in modes}
+    by_round: dict[tuple[str, int], list[float]] = {m: [] for m in modes}  # median per round
     made: dict[tuple[str, int], int] = dict.fromkeys(modes, 0)
     plain: list[int] | None = None
     identical = True
@@ -99,12 +100,15 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
         for mode in modes:
             kind, k = mode
             if kind == "verify":
-                times[mode] += _verify_timed(engine, prompts[0], new_tokens, k)
+                ts = _verify_timed(engine, prompts[0], new_tokens, k)
+                times[mode] += ts
+                by_round[mode].append(statistics.median(ts))
                 continue
             params = _params(new_tokens, speculative=False) if kind == "plain" \
                 else _params(new_tokens, k=k)
             tokens, ts = _timed(engine, prompts[0], params)
             times[mode] += ts
+            by_round[mode].append(statistics.median(ts))
             made[mode] += len(tokens) - 1
             plain = tokens if kind == "plain" and plain is None else plain
             identical &= tokens == plain
@@ -120,7 +124,13 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
         out["tokens_per_step_by_k"][str(k)] = made["k", k] / len(times["k", k])
         verify = out["verify_ms_by_k"][str(k)] = statistics.median(times["verify", k]) * 1e3
         out["draft_ms_by_k"][str(k)] = (step - verify) / k
-    out["step_ratio_by_k"] = {k: ms / out["ar_step_ms"] for k, ms in out["step_ms_by_k"].items()}
+    # each round's K step over its plain step, the median of those: drift between rounds
+    # cancels (a whole-run median would mix a fast round's plain with a slow one's K)
+    out["step_ratio_by_k"] = {
+        str(k): statistics.median(a / b for a, b in zip(by_round["k", k], by_round["plain", 0],
+                                                        strict=True)) for k in ks}
+    out["round_step_ms"] = {("plain" if kind == "plain" else f"{kind}{k}"): [t * 1e3 for t in ts]
+                            for (kind, k), ts in by_round.items()}
     out["draft_share_by_k"] = {k: ms / out["ar_step_ms"]
                                for k, ms in out["draft_ms_by_k"].items()}
     tokens, adaptive = _timed(engine, prompts[0], _params(new_tokens))
@@ -274,8 +284,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['context']}, {r['new_tokens']} new tokens",
         f"prefill of {r['context']} tokens: {r['prefill_ms']:.1f} ms",
         f"plain decoding step: {r['ar_step_ms']:.2f} ms ({r['ar_tokens_per_s']:.1f} tokens/s)",
-        f"step ms by K: {by_k} (of a plain step: {ratio}; medians of {r.get('rounds', 1)} "
-        f"rounds, the modes taking turns)",
+        f"step ms by K: {by_k} (over a plain step, the median of {r.get('rounds', 1)} "
+        f"rounds' ratios, the modes taking turns: {ratio})",
         f"verify-only step ms by K (K drafts given, none made): {verify}",
         f"draft ms per token by K (step - verify-only) / K: {per_draft} "
         f"(share of a plain step: {share})",
