@@ -77,7 +77,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     gen = torch.Generator().manual_seed(0)
     context = min(context, engine.prompt_budget(new_tokens))
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
-    ks = ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]
+    ks = list(dict.fromkeys(ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]))
     out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
                            "exact": engine.exactness, "quant": describe(engine.model),
                            "load_s": engine.load_seconds}

@@ -27,6 +27,26 @@ gives the bits a cache as long as the context gives.
    register. */
 #define MAX_TILE 16
 
+/* Lane u: the sum of a[u]'s 16 lanes, in _mm512_reduce_add_ps's order (halves, quarters,
+   then lanes 0+2 and 1+3, then those two), for 16 vectors at once. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int m = 0; m < 8; m++)  /* [a lo8 | a' lo8] + [a hi8 | a' hi8] */
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xee));
+    for (int m = 0; m < 4; m++)  /* 128-bit quarters: each vector's low plus high */
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xdd));
+    for (int m = 0; m < 2; m++)  /* within quarters: lanes 0 + 2, 1 + 3 */
+        d[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0xee));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
+                                   _mm512_shuffle_ps(d[0], d[1], 0xdd));
+    /* e's lane 4L + i holds vector 4i + L's sum */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14,
+                                                   3, 7, 11, 15), e);
+}
+
 /* Up to MAX_TILE query rows of one kv head (q: `rows` rows of D floats, already times the
    scale; D a multiple of 16, at most 512) against the keys of positions lo[r]..n[r]-1 (at
    entry t mod ring of k and v when ring > 0, else at entry t). A row's arithmetic is the
@@ -36,7 +56,7 @@ gives the bits a cache as long as the context gives.
 static inline __attribute__((always_inline)) void attend_rows(
         const float *q, const int64_t *lo, const int64_t *n, const int rows, const void *k,
         const void *v, int64_t D, int64_t ring, int bf16, float *scores, int64_t stride,
-        float *const *out) {
+        float *const *out, float *kbuf) {
     const int64_t nd = D / 16;
     int64_t longest = 0, first = n[0], all_lo = 0, all_n = n[0];
     const float *p[MAX_TILE];  /* p[r][t]: row r's probability of key t */
@@ -47,17 +67,47 @@ static inline __attribute__((always_inline)) void attend_rows(
         all_n = n[r] < all_n ? n[r] : all_n;
         p[r] = scores + r * stride - lo[r];
     }
-    for (int64_t t = first; t < longest; t++) {
-        const int64_t at = (ring ? t % ring : t) * D;
-        __m512 acc[MAX_TILE];
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nd; j++) {
-            const __m512 kj = load16(k, at + 16 * j, bf16);
+    /* The scores. Each row's dot product accumulates in lanes d mod 16 and is summed across
+       them in _mm512_reduce_add_ps's order, either way: a key at a time for all rows (few
+       rows), or, for many rows, 16 keys at a time (converted once into kbuf) summed all at
+       once by sum16, which spends fewer instructions a score. */
+    if (rows <= 8) {
+        for (int64_t t = first; t < longest; t++) {
+            const int64_t at = (ring ? t % ring : t) * D;
+            __m512 acc[MAX_TILE];
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nd; j++) {
+                const __m512 kj = load16(k, at + 16 * j, bf16);
+                for (int r = 0; r < rows; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + 16 * j), kj, acc[r]);
+            }
             for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + 16 * j), kj, acc[r]);
+                if (t >= lo[r] && t < n[r])
+                    scores[r * stride + t - lo[r]] = _mm512_reduce_add_ps(acc[r]);
         }
-        for (int r = 0; r < rows; r++)
-            if (t >= lo[r] && t < n[r]) scores[r * stride + t - lo[r]] = _mm512_reduce_add_ps(acc[r]);
+    } else for (int64_t t0 = first; t0 < longest; t0 += 16) {
+        const int64_t nk = longest - t0 < 16 ? longest - t0 : 16;
+        for (int64_t u = 0; u < 16; u++) {
+            const int64_t t = t0 + (u < nk ? u : 0);  /* past the end: any key, not stored */
+            const int64_t at = (ring ? t % ring : t) * D;
+            for (int64_t j = 0; j < nd; j++)
+                _mm512_storeu_ps(kbuf + u * D + 16 * j, load16(k, at + 16 * j, bf16));
+        }
+        for (int r = 0; r < rows; r++) {
+            if (t0 + 15 < lo[r] || t0 >= n[r]) continue;  /* none of the row's keys */
+            __m512 acc[16];
+            for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nd; j++) {
+                const __m512 qj = _mm512_loadu_ps(q + r * D + 16 * j);
+                for (int u = 0; u < 16; u++)
+                    acc[u] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(kbuf + u * D + 16 * j), acc[u]);
+            }
+            const __m512 sums = sum16(acc);
+            /* keys t0 + u within lo[r]..n[r]-1 */
+            const int64_t a = lo[r] > t0 ? lo[r] - t0 : 0, b = n[r] - t0 < nk ? n[r] - t0 : nk;
+            const __mmask16 m = (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+            _mm512_mask_storeu_ps(scores + r * stride + t0 - lo[r], m, sums);
+        }
     }
     float inv[MAX_TILE];
     for (int r = 0; r < rows; r++) {  /* probabilities in lanes of 16: a fixed order */
@@ -96,9 +146,9 @@ static inline __attribute__((always_inline)) void attend_rows(
 
 static void attend_tile(const float *q, const int64_t *lo, const int64_t *n, int rows,
                         const void *k, const void *v, int64_t D, int64_t ring, int bf16,
-                        float *scores, int64_t stride, float *const *out) {
+                        float *scores, int64_t stride, float *const *out, float *kbuf) {
     switch (rows) {
-#define ROWS(c) case c: attend_rows(q, lo, n, c, k, v, D, ring, bf16, scores, stride, out); break;
+#define ROWS(c) case c: attend_rows(q, lo, n, c, k, v, D, ring, bf16, scores, stride, out, kbuf); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
         ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
 #undef ROWS
@@ -126,12 +176,13 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         /* a tile's scores, and its queries times the scale */
-        float *scores = malloc(sizeof(float) * (size_t)((kv_len + 16 + D) * MAX_TILE));
+        float *scores = malloc(sizeof(float) * (size_t)((kv_len + 32 + D) * MAX_TILE + 16 * D));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
-        float *scaled = scores ? scores + (kv_len + 16) * MAX_TILE : NULL;
+        float *scaled = scores ? scores + (kv_len + 32) * MAX_TILE : NULL;
+        float *kbuf = scores ? scaled + D * MAX_TILE : NULL;  /* a block's keys, fp32 */
 #pragma omp for schedule(static) collapse(3)
         for (int64_t b = 0; b < B; b++)
             for (int64_t hk = 0; hk < Hkv; hk++)
@@ -165,7 +216,7 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
                     }
                     if (rows)
                         attend_tile(scaled, los, ns, rows, kh, vh, D, ring, bf16, scores,
-                                    kv_len + 16, outs);
+                                    kv_len + 32, outs, kbuf);
                 }
         free(scores);
     }
