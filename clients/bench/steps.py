@@ -70,6 +70,8 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     another engine's figures on the same prompt (`peer.peer_steps`), under "peer". Each
     step figure is the median over `rounds` generations, the modes taking turns."""
     say = progress or (lambda _: None)
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
     if synthetic is not None:
         rates = [*synthetic, *[0.0] * engine.k_max][:max(engine.k_max, 1)]
         engine.state.synthetic = torch.tensor(rates, device=engine.device)
@@ -92,8 +94,6 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     made: dict[tuple[str, int], int] = dict.fromkeys(modes, 0)
     plain: list[int] | None = None
     identical = True
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, not {rounds}")
     for r in range(rounds):
         say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
             f"(round {r + 1} of {rounds})")
@@ -101,17 +101,14 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
             kind, k = mode
             if kind == "verify":
                 ts = _verify_timed(engine, prompts[0], new_tokens, k)
-                times[mode] += ts
-                by_round[mode].append(statistics.median(ts))
-                continue
-            params = _params(new_tokens, speculative=False) if kind == "plain" \
-                else _params(new_tokens, k=k)
-            tokens, ts = _timed(engine, prompts[0], params)
+            else:
+                tokens, ts = _timed(engine, prompts[0], _params(new_tokens, k=k)
+                                    if kind == "k" else _params(new_tokens, speculative=False))
+                made[mode] += len(tokens) - 1
+                plain = plain or tokens  # the first generation is plain decoding's
+                identical &= tokens == plain
             times[mode] += ts
             by_round[mode].append(statistics.median(ts))
-            made[mode] += len(tokens) - 1
-            plain = tokens if kind == "plain" and plain is None else plain
-            identical &= tokens == plain
     assert plain is not None
     out["rounds"] = rounds
     out["ar_step_ms"] = statistics.median(times["plain", 0]) * 1e3

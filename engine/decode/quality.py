@@ -37,11 +37,11 @@ _LETTER = re.compile(r"[A-Za-z]")
 REPETITION, ECHO, LOW_CONFIDENCE, EMPTY = "repetition", "echo", "low_confidence", "empty"
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[token] for logits [..., V] and tokens [...]: log p of each token."""
-    logits = logits.float()
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - logits.logsumexp(-1)
+def token_logprobs(logits: Tensor, tokens: Tensor, lse: Tensor | None = None) -> Tensor:
+    """log softmax(logits)[token] for logits [..., V] and tokens [...]: log p of each token;
+    `lse`: the logits' log-sum-exp where it is known already."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
+    return picked - (logits.float().logsumexp(-1) if lse is None else lse)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,10 +109,7 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     if state.synthetic is not None:  # a benchmark's chosen acceptance
         out, n = accept_synthetic(tokens[:, 1:], out, state.num_drafts[slots], state.synthetic,
                                   state.seed[slots], pos + 1)
-    if lse is None:
-        logp = token_logprobs(logits, out)
-    else:
-        logp = logits.gather(-1, out[..., None]).squeeze(-1).float() - lse
+    logp = token_logprobs(logits, out, lse)
     pending = out.gather(1, n[:, None])  # [B, 1]: the target's own token
     caches.commit(slots, n)  # recurrent layers: the state after the last kept position
     state.lengths[slots] = length + n + 1  # the pending token's position

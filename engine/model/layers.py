@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if rows.usable(x) and self.weight.dtype == x.dtype:
+        if self._native(x):
             return rows.rms_norm(x, self.weight, float(self.offset), self.eps, self.upcast)[1]
         if x.dtype == torch.float32 and not self.offset:  # one kernel, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -41,11 +41,15 @@ class RMSNorm(nn.Module):
     def residual(self, x: Tensor, res: Tensor) -> tuple[Tensor, Tensor]:
         """(x + res, its norm): the residual add and the norm after it, one kernel where
         `rows` runs."""
-        if rows.usable(x) and self.weight.dtype == x.dtype == res.dtype:
+        if self._native(x) and res.dtype == x.dtype:
             return rows.rms_norm(x, self.weight, float(self.offset), self.eps, self.upcast,
                                  res)
         h = x + res
         return h, self(h)
+
+    def _native(self, x: Tensor) -> bool:
+        """Whether rows.c normalises x (bf16 like the weight, in inference on the CPU)."""
+        return rows.usable(x) and self.weight.dtype == x.dtype
 
 
 def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:

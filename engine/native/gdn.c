@@ -19,14 +19,6 @@ order, so a row's result does not depend on what else shares the call.
 
 #include "vecmath.h"
 
-static inline float scalar(const void *p, int64_t i, int bf16) {
-    if (bf16) {
-        union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
-        return v.f;
-    }
-    return ((const float *)p)[i];
-}
-
 /* x / sqrt(sum x^2 + 1e-6) * scale over D floats (a multiple of 16), in place. */
 static void l2norm(float *x, int64_t D, float scale) {
     __m512 ss = _mm512_setzero_ps();
@@ -158,13 +150,7 @@ int gdn_gated_norm(const float *o, int64_t B, int64_t S, int64_t Hv, int64_t Dv,
                     v = _mm512_mul_ps(_mm512_loadu_ps(weight + d), v);
                     if (bf16) v = round_bf16(v);
                     v = _mm512_mul_ps(v, silu16(load16(x, zrow + d, bf16)));
-                    if (bf16) {
-                        const __m256i h16 = _mm512_cvtepi32_epi16(
-                            _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + dst + d), h16);
-                    } else {
-                        _mm512_storeu_ps((float *)out + dst + d, v);
-                    }
+                    store16(out, dst + d, v, 0xffff, bf16);
                 }
             }
     return 0;

@@ -19,21 +19,6 @@ our own, so their last bit may differ from torch's (never between two calls of o
 
 #include "vecmath.h"
 
-static inline __mmask16 tail(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-/* v, already a bf16 value in fp32 (round_bf16's), stored as bf16. */
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-
 /* RMSNorm of rows of `dim` bf16 values, row r at x + r * x_stride: h = x (+ res, rounded:
    the residual add, written to h_out, row r at r * dim), then with r = 1 / sqrt(mean(h^2) +
    eps), by the bf16 weight w: when `upcast`, round(h r (w + offset)) (Qwen3.5, Gemma 4, the
@@ -47,26 +32,26 @@ void rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *res, int64_t 
             uint16_t *hr = h_out + r * dim;
             for (int64_t i = 0; i < dim; i += 16) {
                 const __mmask16 m = tail(dim - i);
-                const __m512 v = _mm512_add_ps(load_bf16(xr + i, m),
-                                               load_bf16(res + r * res_stride + i, m));
-                store_bf16(hr + i, round_bf16(v), m);
+                const __m512 v = _mm512_add_ps(load16_masked(xr, i, m, 1),
+                                               load16_masked(res + r * res_stride, i, m, 1));
+                store16(hr, i, v, m, 1);
             }
             xr = hr;
         }
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < dim; i += 16) {
-            const __m512 v = load_bf16(xr + i, tail(dim - i));
+            const __m512 v = load16_masked(xr, i, tail(dim - i), 1);
             ss = _mm512_fmadd_ps(v, v, ss);
         }
         const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) * (1.0f / (float)dim) + eps);
         const __m512 s = _mm512_set1_ps(scale);
         for (int64_t i = 0; i < dim; i += 16) {
             const __mmask16 m = tail(dim - i);
-            const __m512 t = _mm512_mul_ps(load_bf16(xr + i, m), s);
-            const __m512 wv = load_bf16(w + i, m);
+            const __m512 t = _mm512_mul_ps(load16_masked(xr, i, m, 1), s);
+            const __m512 wv = load16_masked(w, i, m, 1);
             const __m512 y = upcast ? _mm512_mul_ps(t, _mm512_add_ps(wv, _mm512_set1_ps(offset)))
                                     : _mm512_mul_ps(wv, round_bf16(t));
-            store_bf16(out + r * dim + i, round_bf16(y), m);
+            store16(out, r * dim + i, y, m, 1);
         }
     }
 }
@@ -78,15 +63,16 @@ void silu_mul(const uint16_t *gu, int64_t stride, int64_t rows, int64_t width, u
         const uint16_t *g = gu + r * stride, *u = g + width;
         for (int64_t i = 0; i < width; i += 16) {
             const __mmask16 m = tail(width - i);
-            const __m512 s = round_bf16(silu16(load_bf16(g + i, m)));
-            store_bf16(out + r * width + i, round_bf16(_mm512_mul_ps(s, load_bf16(u + i, m))), m);
+            const __m512 s = round_bf16(silu16(load16_masked(g, i, m, 1)));
+            store16(out, r * width + i, _mm512_mul_ps(s, load16_masked(u, i, m, 1)), m, 1);
         }
     }
 }
 
 /* Rotary embedding of x [rows, heads, dim] (element (r, h, d) at r * row_stride +
-   h * head_stride + d) by cos and sin [rows, rot] (bf16; sin's first half negated): out[.., i] = round(round(x_i cos_i) + round(x_j sin_i)), j = i + rot/2 for the
-   first half and i - rot/2 for the second; dims past rot copied. out: [rows, heads, dim]. */
+   h * head_stride + d) by cos and sin [rows, rot] (bf16; sin's first half negated):
+   out[.., i] = round(round(x_i cos_i) + round(x_j sin_i)), j = i + rot/2 for the first half
+   and i - rot/2 for the second; dims past rot copied. out: [rows, heads, dim]. */
 void rope(const uint16_t *x, int64_t row_stride, int64_t head_stride, int64_t rows,
           int64_t heads, int64_t dim, const uint16_t *cos, const uint16_t *sin, int64_t rot,
           uint16_t *out) {
@@ -101,10 +87,10 @@ void rope(const uint16_t *x, int64_t row_stride, int64_t head_stride, int64_t ro
                 for (int64_t i = 0; i < half; i += 16) {
                     const __mmask16 m = tail(half - i);
                     const __m512 a = round_bf16(_mm512_mul_ps(
-                        load_bf16(xh + base + i, m), load_bf16(c + base + i, m)));
+                        load16_masked(xh + base, i, m, 1), load16_masked(c + base, i, m, 1)));
                     const __m512 b = round_bf16(_mm512_mul_ps(
-                        load_bf16(xh + other + i, m), load_bf16(s + base + i, m)));
-                    store_bf16(o + base + i, round_bf16(_mm512_add_ps(a, b)), m);
+                        load16_masked(xh + other, i, m, 1), load16_masked(s + base, i, m, 1)));
+                    store16(o, base + i, _mm512_add_ps(a, b), m, 1);
                 }
             }
             for (int64_t i = rot; i < dim; i++) o[i] = xh[i];
@@ -125,8 +111,7 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
         __mmask16 nan = 0;
         for (int64_t i = 0; i < v; i += 16) {
             const __mmask16 m = tail(v - i);
-            const __m512 e = bf16 ? load_bf16((const uint16_t *)row + i, m)
-                                  : _mm512_maskz_loadu_ps(m, (const float *)row + i);
+            const __m512 e = load16_masked(row, i, m, bf16);
             nan |= _mm512_mask_cmp_ps_mask(m, e, e, _CMP_UNORD_Q);
             const __mmask16 more = _mm512_mask_cmp_ps_mask(m, e, best, _CMP_GT_OQ);
             best = _mm512_mask_mov_ps(best, more, e);
@@ -136,33 +121,24 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
         }
         if (nan) {  /* torch's answer: the first NaN */
             int64_t i = 0;
-            for (;; i++) {
-                float e;
-                if (bf16) {
-                    union { uint32_t u; float f; } b = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
-                    e = b.f;
-                } else {
-                    e = ((const float *)row)[i];
-                }
-                if (e != e) break;
-            }
+            while (scalar(row, i, bf16) == scalar(row, i, bf16)) i++;
             index[r] = i;
             lse[r] = NAN;
             continue;
         }
         const float top = _mm512_reduce_max_ps(best);
-        const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        index[r] = top == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(tops, at);
-        if (top == -INFINITY) {
+        if (top == -INFINITY) {  /* every logit -inf: the first, as torch's argmax */
+            index[r] = 0;
             lse[r] = -INFINITY;
             continue;
         }
+        const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        index[r] = _mm512_mask_reduce_min_epi32(tops, at);
         __m512 sum = _mm512_setzero_ps();
         const __m512 t = _mm512_set1_ps(top);
         for (int64_t i = 0; i < v; i += 16) {
             const __mmask16 m = tail(v - i);
-            const __m512 e = bf16 ? load_bf16((const uint16_t *)row + i, m)
-                                  : _mm512_maskz_loadu_ps(m, (const float *)row + i);
+            const __m512 e = load16_masked(row, i, m, bf16);
             sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(e, t))));
         }
         lse[r] = top + logf(_mm512_reduce_add_ps(sum));

@@ -14,12 +14,44 @@ static inline __m512 load16(const void *p, int64_t i, int bf16) {
     return _mm512_loadu_ps((const float *)p + i);
 }
 
+/* Lanes 0..left-1 of 16 (all of them from 16 on). */
+static inline __mmask16 tail(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* `load16` of the lanes in m alone (the others 0, nothing read past them). */
+static inline __m512 load16_masked(const void *p, int64_t i, __mmask16 m, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
+/* Element i of p (fp32, or bf16 when bf16 != 0) as a float. */
+static inline float scalar(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } v = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
+        return v.f;
+    }
+    return ((const float *)p)[i];
+}
+
 /* The bf16 value nearest each lane (ties to even, as torch's conversion), as fp32. */
 static inline __m512 round_bf16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* The lanes in m of v at element i of p: fp32, or rounded to bf16 (round_bf16) when
+   bf16 != 0. */
+static inline void store16(void *p, int64_t i, __m512 v, __mmask16 m, int bf16) {
+    if (bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(
+            _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+    else
+        _mm512_mask_storeu_ps((float *)p + i, m, v);
 }
 
 /* e^x for x <= 0 (x - max of a softmax, -|x| for a sigmoid): Cody-Waite reduction

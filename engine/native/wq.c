@@ -27,6 +27,8 @@ group of G inputs), tiles outer:
 #include <stdlib.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 #define TILE 16
 
 typedef int32_t __attribute__((may_alias)) quad; /* 4 activation codes */
@@ -67,19 +69,6 @@ static void quantize_row(const void *x, int bf16, int64_t r, int64_t K, int64_t 
         }
         sa[r * (K / G) + g] = scale;
         ssum[r * (K / G) + g] = scale * (float)sum;
-    }
-}
-
-static inline void store_row(void *y, int bf16, int64_t off, __m512 v, __mmask16 mask) {
-    if (bf16) {
-        /* round to nearest even, as torch's conversion does */
-        __m512i u = _mm512_castps_si512(v);
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-        _mm256_mask_storeu_epi16((uint16_t *)y + off, mask, h);
-    } else {
-        _mm512_mask_storeu_ps((float *)y + off, mask, v);
     }
 }
 
@@ -136,7 +125,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
     __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < mr; r++)
-        store_row(y, bf16, (r0 + r) * N + n0, _mm512_add_ps(facc[r], b), mask);
+        store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[r], b), mask, bf16);
 }
 
 static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa,
