@@ -78,10 +78,13 @@ class Kernels:
         q, k, v, decay, beta = (t.float().contiguous() for t in (q, k, v, decay, beta))
         src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
         out = v.new_empty(v.shape)
-        if self._delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
-                       beta.data_ptr(), states.data_ptr(), src.data_ptr(), dst.data_ptr(),
-                       bsz, heads, seqlen, dk, v.shape[-1], out.data_ptr(),
-                       torch.get_num_threads()) != 0:
+        done = self._delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
+                           beta.data_ptr(), states.data_ptr(), src.data_ptr(), dst.data_ptr(),
+                           bsz, heads, seqlen, dk, v.shape[-1], out.data_ptr(),
+                           torch.get_num_threads())
+        if done == -2:
+            raise MemoryError("delta rule: no scratch memory for a head's state")
+        if done != 0:
             raise ValueError(f"delta rule: shapes the kernel does not take {tuple(v.shape)}")
         return out
 
