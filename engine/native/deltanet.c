@@ -8,8 +8,9 @@ floats) about ten times and copies it twice more (gathered from the ring, stacke
 back); here each position reads the previous state twice from cache and writes the next
 once, into its ring entry. The ring entries are written with streaming stores (no read of
 the lines they replace, which a plain store makes first: a third of the traffic) while a
-copy in scratch memory, which stays in cache, is what the next position reads. Sums run over Dk in order, lanes over Dv: a row's result depends
-on its own state and inputs only, whatever else shares the call or the thread.
+copy in scratch memory, which stays in cache, is what the next position reads. Sums run
+over Dk in order, lanes over Dv: a row's result depends on its own state and inputs only,
+whatever else shares the call or the thread.
 */
 #include <immintrin.h>
 #include <stdint.h>
@@ -47,7 +48,8 @@ static void head(const float *q, const float *k, const float *v, const float *a,
             const __m512 qi = _mm512_set1_ps(q[t * Dk + i]);
             for (int64_t j = 0; j < nv; j++) {
                 const int64_t e = i * Dv + 16 * j;  /* cur may be prev: read, then written */
-                __m512 s = _mm512_fmadd_ps(ki, acc[j], _mm512_mul_ps(at, _mm512_loadu_ps(prev + e)));
+                const __m512 s = _mm512_fmadd_ps(ki, acc[j],
+                                                 _mm512_mul_ps(at, _mm512_loadu_ps(prev + e)));
                 if (stream)
                     _mm512_stream_ps(next + e, s);
                 else
