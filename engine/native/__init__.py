@@ -64,7 +64,7 @@ class Kernels:
         self._delta = delta
         gdn = lib.gdn_prepare
         gdn.restype = ctypes.c_int
-        gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64] + [ptr] * 10 + [ctypes.c_int]
+        gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64] + [ptr] * 10 + [ctypes.c_int] * 2
         self._gdn = gdn
         norm = lib.gdn_gated_norm
         norm.restype = ctypes.c_int
@@ -119,7 +119,8 @@ class Kernels:
                      hv, dk, dv, kernel, conv.data_ptr(), conv.shape[1], slots.data_ptr(),
                      index.data_ptr(), weight.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(),
                      q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
-                     beta.data_ptr(), int(proj.dtype == torch.bfloat16)) != 0:
+                     beta.data_ptr(), int(proj.dtype == torch.bfloat16),
+                     torch.get_num_threads()) != 0:
             raise ValueError(f"Gated DeltaNet inputs: shapes the kernel does not take {shape}")
         return q, k, v, decay, beta
 
@@ -273,11 +274,12 @@ def gdn_prepare(proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor, slot
     the fp32 weight [C, K], A_log and dt_bias [Hv]: q, k [B, Hv, S, Dk] (L2-normalised, q
     by 1/sqrt(Dk)), v [B, Hv, S, Dv], decay and beta [B, Hv, S], fp32. None where the kernel
     does not take these tensors (head sizes not multiples of 16, or wider values than the
-    delta rule's kernel takes)."""
+    delta rule's kernel takes, key heads wider than 512, windows of more than 64 positions)."""
     _, _, dk, dv, kernel = shape
     if torch.compiler.is_compiling() or proj.dtype not in (torch.float32, torch.bfloat16) \
             or conv.dtype != proj.dtype or not (proj.is_contiguous() and conv.is_contiguous()) \
-            or dk % 16 or dv % 16 or dv > 256 or not 2 <= kernel <= 8:
+            or dk % 16 or dv % 16 or dv > 256 or dk > 512 or proj.shape[1] > 64 \
+            or not 2 <= kernel <= 8:
         return None
     return kernels().run_gdn_prepare(proj, shape, conv, index, slots, weight, a_log, dt_bias)
 

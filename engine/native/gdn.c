@@ -10,7 +10,9 @@ Why: as tensor operations this is some sixty small operators a layer and positio
 costing more in dispatch than in arithmetic (Qwen3.5-2B's plain step spent a third of its
 time between the matmuls, and a second thread does not shorten that). Each position's
 values come from its own inputs and the state before it, channel by channel in a fixed
-order, so a row's result does not depend on what else shares the call.
+order, so a row's result does not depend on what else shares the call. The convolution
+runs 16 channels at a time over all of a row's positions (threads take blocks of channels),
+then the norms and gates a key head at a time (threads take heads).
 */
 #include <immintrin.h>
 #include <math.h>
@@ -34,6 +36,48 @@ static void l2norm(float *x, int64_t D, float scale) {
     }
 }
 
+/* The convolution of channels c0 .. c0+15 of row b over its S positions: silu of the sum
+   over the Kc taps (in order) into mixed, rounded to bf16 when bf16 != 0, and the conv
+   state after each position into its ring entry. */
+static void conv_block(const void *x, int64_t x_stride, int64_t b, int64_t S, int64_t C,
+                       int64_t c0, int64_t Kc, void *conv, const float *w, int64_t state,
+                       const int64_t *after, float *mixed, int bf16) {
+    const int64_t keep = Kc - 1;
+    float win[64 + 8][16];  /* the window's inputs: the committed state's, then the new */
+    __m512 taps[8];
+    for (int64_t j = 0; j < Kc; j++) {
+        float t[16];
+        for (int64_t i = 0; i < 16; i++) t[i] = w[(c0 + i) * Kc + j];
+        taps[j] = _mm512_loadu_ps(t);
+    }
+    for (int64_t j = 0; j < keep; j++)
+        for (int64_t i = 0; i < 16; i++) win[j][i] = scalar(conv, state + (c0 + i) * keep + j, bf16);
+    for (int64_t s = 0; s < S; s++)
+        _mm512_storeu_ps(win[keep + s], load16(x, (b * S + s) * x_stride + c0, bf16));
+    for (int64_t s = 0; s < S; s++) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < Kc; j++)
+            sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_loadu_ps(win[s + j]), taps[j]));
+        __m512 out = silu16(sum);
+        if (bf16) out = round_bf16(out);
+        _mm512_storeu_ps(mixed + (b * S + s) * C + c0, out);
+        /* the conv state after position s: inputs s+1 .. s+Kc-1 of the window */
+        const int64_t dst = after[s] + c0 * keep;
+        if (bf16) {
+            uint16_t *o = (uint16_t *)conv + dst;
+            for (int64_t i = 0; i < 16; i++)
+                for (int64_t j = 0; j < keep; j++) {
+                    union { float f; uint32_t u; } bits = {.f = win[s + 1 + j][i]};
+                    o[i * keep + j] = (uint16_t)(bits.u >> 16);
+                }
+        } else {
+            float *o = (float *)conv + dst;
+            for (int64_t i = 0; i < 16; i++)
+                for (int64_t j = 0; j < keep; j++) o[i * keep + j] = win[s + 1 + j][i];
+        }
+    }
+}
+
 /* Rows b of S positions. x: the layer's fused input projections, row (b, s) at
    (b*S + s) * x_stride elements: q, k, v's C = 2 Hk Dk + Hv Dv pre-convolution inputs first,
    beta's Hv at b_off, alpha's Hv at a_off. conv: the ring [slots, R, C, Kc-1] (the model's
@@ -41,81 +85,68 @@ static void l2norm(float *x, int64_t D, float scale) {
    s goes to entry (index + 1 + s) mod R. w: the convolution's weights [C, Kc], a_log and
    dt_bias [Hv], all fp32. Out (fp32): q, k [B, Hv, S, Dk], v [B, Hv, S, Dv], decay a_t and
    beta b_t [B, Hv, S]. bf16 != 0: x and conv are bf16, and the convolution's output is
-   rounded to bf16 as the model's dtype would. Returns 0, or -1
-   when the shapes are not ones this kernel takes or memory could not be had. */
+   rounded to bf16 as the model's dtype would. Returns 0, or -1 when the shapes are not ones
+   this kernel takes or memory could not be had. */
 int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, int64_t B,
                 int64_t S, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t Kc,
                 void *conv, int64_t R, const int64_t *slots, const int64_t *index,
                 const float *w, const float *a_log, const float *dt_bias,
-                float *q, float *k, float *v, float *decay, float *beta, int bf16) {
+                float *q, float *k, float *v, float *decay, float *beta, int bf16,
+                int threads) {
     const int64_t C = 2 * Hk * Dk + Hv * Dv, keep = Kc - 1, group = Hv / Hk;
-    if (Dk % 16 || Dv % 16 || Hv % Hk || Kc < 2 || Kc > 8 || S + 1 > R) return -1;
-    float *mixed = malloc(sizeof(float) * (size_t)C);
-    float *taps = malloc(sizeof(float) * (size_t)(C * Kc));  /* weights by tap: [Kc][C] */
-    if (!mixed || !taps) {
+    if (Dk % 16 || Dv % 16 || Hv % Hk || Dk > 512 || Kc < 2 || Kc > 8 || S > 64
+            || S + 1 > R)
+        return -1;
+    float *mixed = malloc(sizeof(float) * (size_t)(B * S * C));  /* conv outputs [B, S, C] */
+    int64_t *after = malloc(sizeof(int64_t) * (size_t)(B * (S + 1)));
+    if (!mixed || !after) {
         free(mixed);
-        free(taps);
+        free(after);
         return -1;
     }
-    for (int64_t c = 0; c < C; c++)
-        for (int64_t j = 0; j < Kc; j++) taps[j * C + c] = w[c * Kc + j];
     const int64_t entry = C * keep;  /* elements of one conv state */
-    for (int64_t b = 0; b < B; b++) {
+    for (int64_t b = 0; b < B; b++) {  /* [committed, after position 0, 1, ...] */
         const int64_t slot = slots[b], at = index[slot];
-        const int64_t state = (slot * R + at) * entry;
-        /* Input j of the window before position s's output: the committed state's inputs,
-           then the new ones. */
-#define INPUT(c, i) ((i) < keep ? scalar(conv, state + (c) * keep + (i), bf16) \
-                                : scalar(x, (b * S + (i) - keep) * x_stride + (c), bf16))
-        for (int64_t s = 0; s < S; s++) {
-            const int64_t row = b * S + s;
-            for (int64_t c0 = 0; c0 < C; c0 += 16) {
-                const __mmask16 m = C - c0 >= 16 ? 0xffff : (__mmask16)((1u << (C - c0)) - 1);
-                float in[8][16];
-                for (int64_t i = 0; i < 16 && c0 + i < C; i++)
-                    for (int64_t j = 0; j < Kc; j++) in[j][i] = INPUT(c0 + i, s + j);
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < Kc; j++)
-                    sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, in[j]),
-                                                           _mm512_maskz_loadu_ps(m, taps + j * C + c0)));
-                __m512 out = silu16(sum);
-                if (bf16) out = round_bf16(out);
-                _mm512_mask_storeu_ps(mixed + c0, m, out);
-            }
-            /* the conv state after position s: inputs s+1 .. s+Kc-1 of the window */
-            const int64_t dst = (slot * R + (at + 1 + s) % R) * entry;
-            for (int64_t c = 0; c < C; c++)
-                for (int64_t i = 0; i < keep; i++) {
-                    const float val = INPUT(c, s + 1 + i);
-                    if (bf16) {
-                        union { float f; uint32_t u; } bits = {.f = val};
-                        ((uint16_t *)conv)[dst + c * keep + i] = (uint16_t)(bits.u >> 16);
-                    } else {
-                        ((float *)conv)[dst + c * keep + i] = val;
+        for (int64_t s = 0; s <= S; s++) after[b * (S + 1) + s] = (slot * R + (at + s) % R) * entry;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c0 = 0; c0 < C; c0 += 16)
+                conv_block(x, x_stride, b, S, C, c0, Kc, conv, w, after[b * (S + 1)],
+                           after + b * (S + 1) + 1, mixed, bf16);
+#pragma omp for schedule(static) collapse(3)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t s = 0; s < S; s++)
+                for (int64_t kh = 0; kh < Hk; kh++) {
+                    const int64_t row = b * S + s;
+                    float qn[512], kn[512];
+                    const float *m = mixed + row * C;
+                    for (int64_t d = 0; d < Dk; d++) {
+                        qn[d] = m[kh * Dk + d];
+                        kn[d] = m[(Hk + kh) * Dk + d];
+                    }
+                    l2norm(qn, Dk, 1.0f / sqrtf((float)Dk));
+                    l2norm(kn, Dk, 1.0f);
+                    for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                        const int64_t out = (b * Hv + h) * S + s;
+                        for (int64_t d = 0; d < Dk; d++) {
+                            q[out * Dk + d] = qn[d];
+                            k[out * Dk + d] = kn[d];
+                        }
+                        for (int64_t d = 0; d < Dv; d++)
+                            v[out * Dv + d] = m[2 * Hk * Dk + h * Dv + d];
+                        const float bt = scalar(x, row * x_stride + b_off + h, bf16);
+                        const float al = scalar(x, row * x_stride + a_off + h, bf16) + dt_bias[h];
+                        const float soft = al > 20.0f ? al : log1pf(expf(al));
+                        decay[out] = expf(-expf(a_log[h]) * soft);
+                        beta[out] = 1.0f / (1.0f + expf(-bt));
                     }
                 }
-            for (int64_t h = 0; h < Hk; h++) {
-                l2norm(mixed + h * Dk, Dk, 1.0f / sqrtf((float)Dk));
-                l2norm(mixed + (Hk + h) * Dk, Dk, 1.0f);
-            }
-            for (int64_t h = 0; h < Hv; h++) {
-                const int64_t out = (b * Hv + h) * S + s, kh = h / group;
-                for (int64_t d = 0; d < Dk; d++) {
-                    q[out * Dk + d] = mixed[kh * Dk + d];
-                    k[out * Dk + d] = mixed[(Hk + kh) * Dk + d];
-                }
-                for (int64_t d = 0; d < Dv; d++) v[out * Dv + d] = mixed[2 * Hk * Dk + h * Dv + d];
-                const float bt = scalar(x, row * x_stride + b_off + h, bf16);
-                const float al = scalar(x, row * x_stride + a_off + h, bf16) + dt_bias[h];
-                const float soft = al > 20.0f ? al : log1pf(expf(al));
-                decay[out] = expf(-expf(a_log[h]) * soft);
-                beta[out] = 1.0f / (1.0f + expf(-bt));
-            }
-        }
-#undef INPUT
     }
     free(mixed);
-    free(taps);
+    free(after);
     return 0;
 }
 
