@@ -158,12 +158,13 @@ def test_attention_rows_past_the_keys_see_them_all_and_other_tensors_are_decline
 
 
 @needs_vnni
-def test_the_delta_rule_runs_in_the_cache_ring_as_the_recurrent_form_does() -> None:
+@pytest.mark.parametrize("v_dim", [48, 64, 256])  # the kernel's chunks: 16, 64, 128 columns
+def test_the_delta_rule_runs_in_the_cache_ring_as_the_recurrent_form_does(v_dim: int) -> None:
     from engine.cache.state import StateCache
     from engine.model.deltanet import recurrent
 
     gen = torch.Generator().manual_seed(4)
-    heads, k_dim, v_dim, ring = 4, 32, 48, 5
+    heads, k_dim, ring = 4, 32, 5
     index = torch.tensor([1, 0, 4])  # each slot's committed ring entry (4: the next wraps)
     cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
     cache.state.normal_(generator=gen)

@@ -5,62 +5,114 @@ windows) on AVX-512 CPUs, reading and writing the recurrent states in the cache'
 
 Why: written with tensor operations each position passes over every head's state (Dk x Dv
 floats) about ten times and copies it twice more (gathered from the ring, stacked, scattered
-back); here each position reads the previous state twice from cache and writes the next
-once, into its ring entry. The ring entries are written with streaming stores (no read of
-the lines they replace, which a plain store makes first: a third of the traffic) while a
-copy in scratch memory, which stays in cache, is what the next position reads. Sums run
-over Dk in order, lanes over Dv: a row's result depends on its own state and inputs only,
-whatever else shares the call or the thread.
+back). Here a window of S positions takes S + 1 passes over a head's state: the first sums
+(a_0 S)^T k_0; each next one writes S_t into its ring entry while it sums o_t and the next
+position's (a_{t+1} S_t)^T k_{t+1} from the same values, still in registers. The ring
+entries are written with streaming stores (no read of the lines they replace, which a plain
+store makes first) while a copy in scratch memory, which stays in cache, is what the next
+position reads. Columns are independent, so a head runs in chunks of 128 (else 64, else 16)
+columns. Sums run over Dk in order, lanes over Dv: a row's result depends on its own state
+and inputs only, whatever else shares the call or the thread, and whatever S is.
 */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-/* One head of one row over S positions. state: the committed state (read); dst[t]: where
-   the state after position t goes (never the committed one). q, k [S, Dk], v, o [S, Dv],
-   a, b [S] (a head's decay and write strength per position), Dv a multiple of 16 <= 256;
-   cur: Dk x Dv floats of scratch. */
+#define INLINE static inline __attribute__((always_inline))
+
+/* acc = (a S)^T k over nb blocks of 16 columns of the state at s (rows ps apart). */
+INLINE void dot(const float *s, int64_t ps, const float *k, float a, int64_t Dk, __m512 *acc,
+                const int nb) {
+    const __m512 at = _mm512_set1_ps(a);
+    for (int j = 0; j < nb; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < Dk; i++) {
+        const __m512 ki = _mm512_set1_ps(k[i]);
+        for (int j = 0; j < nb; j++)
+            acc[j] = _mm512_fmadd_ps(ki, _mm512_mul_ps(at, _mm512_loadu_ps(s + i * ps + 16 * j)),
+                                     acc[j]);
+    }
+}
+
+/* One position over nb blocks of 16 columns: S' = a S + k d^T from the state at prev (rows
+   ps apart) into next (rows Dv apart; streamed when `stream`), out = S'^T q, and when
+   `more`, S' into cur (rows 16 nb apart) and the next position's (an S')^T kn into acc. */
+INLINE void update(const float *prev, int64_t ps, float *next, int64_t Dv, float *cur,
+                   const float *k, const float *q, float a, const __m512 *d, __m512 *out,
+                   const float *kn, float an, __m512 *acc, int64_t Dk, const int nb,
+                   const int more, const int stream) {
+    const __m512 at = _mm512_set1_ps(a), ant = _mm512_set1_ps(an);
+    for (int j = 0; j < nb; j++) {
+        out[j] = _mm512_setzero_ps();
+        acc[j] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < Dk; i++) {
+        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        const __m512 kni = more ? _mm512_set1_ps(kn[i]) : ki;
+        for (int j = 0; j < nb; j++) {
+            const __m512 s = _mm512_fmadd_ps(ki, d[j], _mm512_mul_ps(
+                                 at, _mm512_loadu_ps(prev + i * ps + 16 * j)));
+            if (stream)
+                _mm512_stream_ps(next + i * Dv + 16 * j, s);
+            else
+                _mm512_storeu_ps(next + i * Dv + 16 * j, s);
+            out[j] = _mm512_fmadd_ps(qi, s, out[j]);
+            if (more) {
+                _mm512_storeu_ps(cur + i * 16 * nb + 16 * j, s);
+                acc[j] = _mm512_fmadd_ps(kni, _mm512_mul_ps(ant, s), acc[j]);
+            }
+        }
+    }
+}
+
+/* Columns j0 .. j0 + 16 nb - 1 of one head of one row over S positions. state: the
+   committed state (read); dst[t]: where the state after position t goes (never the
+   committed one). q, k [S, Dk], v, o [S, Dv], a, b [S] (the head's decay and write strength
+   per position); cur: Dk x 16 nb floats of scratch. */
+INLINE void chunk(const float *q, const float *k, const float *v, const float *a,
+                  const float *b, const float *state, float *const *dst, int64_t S,
+                  int64_t Dk, int64_t Dv, int64_t j0, float *o, float *cur, const int nb) {
+    __m512 acc[8], d[8], out[8];
+    dot(state + j0, Dv, k, a[0], Dk, acc, nb);
+    const float *prev = state + j0;
+    int64_t ps = Dv;
+    for (int64_t t = 0; t < S; t++) {
+        const __m512 bt = _mm512_set1_ps(b[t]);
+        for (int j = 0; j < nb; j++)  /* d = b (v - (a S)^T k) */
+            d[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + t * Dv + j0 + 16 * j),
+                                               acc[j]), bt);
+        float *next = dst[t] + j0;
+        const int stream = ((uintptr_t)next & 63) == 0;
+        const float *kt = k + t * Dk, *qt = q + t * Dk;
+        if (t + 1 < S && stream)
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, a[t + 1], acc, Dk,
+                   nb, 1, 1);
+        else if (t + 1 < S)
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, a[t + 1], acc, Dk,
+                   nb, 1, 0);
+        else if (stream)
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, 0.0f, acc, Dk, nb, 0, 1);
+        else
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, 0.0f, acc, Dk, nb, 0, 0);
+        for (int j = 0; j < nb; j++) _mm512_storeu_ps(o + t * Dv + j0 + 16 * j, out[j]);
+        prev = cur;  /* cur is read, then written, element by element */
+        ps = 16 * nb;
+    }
+}
+
+/* One head of one row over S positions (chunk's arguments), in the widest chunks that
+   divide Dv. */
 static void head(const float *q, const float *k, const float *v, const float *a,
                  const float *b, const float *state, float *const *dst, int64_t S,
                  int64_t Dk, int64_t Dv, float *o, float *cur) {
-    const int64_t nv = Dv / 16;
-    const float *prev = state;
-    for (int64_t t = 0; t < S; t++) {
-        const __m512 at = _mm512_set1_ps(a[t]);
-        __m512 acc[16];
-        for (int64_t j = 0; j < nv; j++) acc[j] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < Dk; i++) {  /* (a S)^T k */
-            const __m512 ki = _mm512_set1_ps(k[t * Dk + i]);
-            for (int64_t j = 0; j < nv; j++)
-                acc[j] = _mm512_fmadd_ps(ki, _mm512_mul_ps(at, _mm512_loadu_ps(
-                                                  prev + i * Dv + 16 * j)), acc[j]);
-        }
-        const __m512 bt = _mm512_set1_ps(b[t]);
-        for (int64_t j = 0; j < nv; j++)  /* d = b (v - (a S)^T k) */
-            acc[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + t * Dv + 16 * j), acc[j]),
-                                   bt);
-        __m512 out[16];
-        for (int64_t j = 0; j < nv; j++) out[j] = _mm512_setzero_ps();
-        float *next = dst[t];
-        const int stream = ((uintptr_t)next & 63) == 0, more = t + 1 < S;
-        for (int64_t i = 0; i < Dk; i++) {  /* S = a S + k d^T; o = S^T q */
-            const __m512 ki = _mm512_set1_ps(k[t * Dk + i]);
-            const __m512 qi = _mm512_set1_ps(q[t * Dk + i]);
-            for (int64_t j = 0; j < nv; j++) {
-                const int64_t e = i * Dv + 16 * j;  /* cur may be prev: read, then written */
-                const __m512 s = _mm512_fmadd_ps(ki, acc[j],
-                                                 _mm512_mul_ps(at, _mm512_loadu_ps(prev + e)));
-                if (stream)
-                    _mm512_stream_ps(next + e, s);
-                else
-                    _mm512_storeu_ps(next + e, s);
-                if (more) _mm512_storeu_ps(cur + e, s);
-                out[j] = _mm512_fmadd_ps(qi, s, out[j]);
-            }
-        }
-        for (int64_t j = 0; j < nv; j++) _mm512_storeu_ps(o + t * Dv + 16 * j, out[j]);
-        prev = cur;
-    }
+    if (Dv % 128 == 0)
+        for (int64_t j0 = 0; j0 < Dv; j0 += 128)
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, 8);
+    else if (Dv % 64 == 0)
+        for (int64_t j0 = 0; j0 < Dv; j0 += 64)
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, 4);
+    else
+        for (int64_t j0 = 0; j0 < Dv; j0 += 16)
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, 1);
     _mm_sfence();  /* the streamed states are seen by whoever reads them next */
 }
 
@@ -77,7 +129,7 @@ int delta_rule(const float *q, const float *k, const float *v, const float *a,
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *cur = S > 1 ? aligned_alloc(64, (size_t)(Dk * Dv) * sizeof(float)) : NULL;
+        float *cur = S > 1 ? aligned_alloc(64, (size_t)(Dk * 128) * sizeof(float)) : NULL;
         if (S > 1 && !cur) {
 #pragma omp atomic write
             failed = 1;
