@@ -232,3 +232,45 @@ def test_attention_over_a_ring_gives_the_bits_of_a_full_length_cache(
     assert torch.allclose(got.float(), masked, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="ring of 11 keys needs a window"):
         native.attention(q, ring_k, ring_v, pos, None, size + 1, size)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
+        dtype: torch.dtype) -> None:
+    """gdn.c over a window of 3 positions for 2 rows of a 3-slot ring (one about to wrap):
+    the convolution, norms and gates as model/deltanet.py computes them, and the conv state
+    after each position in its ring entry, bit for bit (the window's own inputs)."""
+    import torch.nn.functional as F
+
+    from engine.model.deltanet import _prepare, causal_conv
+
+    gen = torch.Generator().manual_seed(6)
+    hk, hv, dk, dv, kernel, ring, seqlen = 2, 4, 32, 48, 4, 5, 3
+    c = 2 * hk * dk + hv * dv
+    width = c + hv * dv + 2 * hv  # q, k, v's inputs, z, beta, alpha
+    proj = torch.randn(2, seqlen, width, generator=gen).to(dtype)
+    conv = torch.randn(3, ring, c, kernel - 1, generator=gen).to(dtype)
+    index, slots = torch.tensor([1, 0, 4]), torch.tensor([2, 0])
+    weight = torch.randn(c, kernel, generator=gen) * 0.3
+    a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    committed = conv[slots, index[slots]].clone()  # [B, C, K-1]
+    got = native.gdn_prepare(proj, (hk, hv, dk, dv, kernel), conv, index, slots, weight,
+                             a_log, dt_bias)
+    assert got is not None
+    window = torch.cat([committed, proj[..., :c].transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
+    mixed = causal_conv(window, weight).to(dtype)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    want = _prepare(q.reshape(2, seqlen, hk, dk), k.reshape(2, seqlen, hk, dk),
+                    v.reshape(2, seqlen, hv, dv), hv // hk)
+    beta = torch.sigmoid(proj[..., c + hv * dv:c + hv * dv + hv].float()).transpose(1, 2)
+    alpha = proj[..., c + hv * dv + hv:].float() + dt_bias
+    decay = torch.exp(-a_log.exp() * F.softplus(alpha)).transpose(1, 2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: silu's rounding may differ
+    for name, a, b in zip(("q", "k", "v", "decay", "beta"), got, (*want, decay, beta),
+                          strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=tol, rtol=tol), name
+    for s in range(seqlen):  # the conv state after position s: inputs s+1 .. s+K-1
+        at = (index[slots] + 1 + s) % ring
+        assert torch.equal(conv[slots, at], window[:, :, s + 1:s + kernel]), s
+    assert torch.equal(conv[slots, index[slots]], committed)
