@@ -14,6 +14,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from clients import daemon_cmds, generate_cmds
 from clients.common import CliError, add_model_args, load_engine, model_dir
@@ -79,7 +80,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def _bench_steps(args: argparse.Namespace) -> int:
-    from clients.bench.steps import bench_steps, format_report, preset_engine
+    from clients.bench import steps
     from clients.common import engine_options
 
     # the MTP modules' steps (the context's drafts are not what synthetic rates stand for)
@@ -92,18 +93,8 @@ def _bench_steps(args: argparse.Namespace) -> int:
         for path, what in ((args.peer, "llama-server binary"), (args.peer_model, "GGUF model")):
             if not Path(path).is_file():
                 raise CliError(f"{what} {path} does not exist")
-    if args.preset:
-        if args.draft_model:
-            raise CliError("--draft-model drafts for a checkpoint, not a preset")
-        try:
-            engine = preset_engine(args.preset, **(engine_options(args) | mtp_only))
-        except ValueError as e:
-            raise CliError(str(e)) from None
-        name = args.preset
-    else:
-        engine = load_engine(args, **mtp_only)
-        name = str(model_dir(args))
-    ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
+    if args.preset and args.draft_model:
+        raise CliError("--draft-model drafts for a checkpoint, not a preset")
     synthetic = None
     if args.synthetic_acceptance:
         try:
@@ -113,6 +104,28 @@ def _bench_steps(args: argparse.Namespace) -> int:
         if synthetic is None or not all(0 <= p <= 1 for p in synthetic):
             raise CliError("--synthetic-acceptance takes probabilities in [0, 1], "
                            f"comma-separated, not {args.synthetic_acceptance!r}")
+    ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
+    options = engine_options(args) | mtp_only
+    # a slot for each mode, so that they can take turns step by step (bench_steps)
+    wanted = options["slots"]
+    modes = len(steps.bench_modes(steps.bench_ks(ks, options["k_max"])))
+
+    def make(slots: int) -> Any:
+        if not args.preset:
+            return load_engine(args, **(mtp_only | {"slots": slots}))
+        try:
+            return steps.preset_engine(args.preset, **(options | {"slots": slots}))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+
+    engine = make(max(wanted, modes))
+    if engine.step_rows(1) > 1 and engine.max_slots > wanted:
+        # each step would run all the slots' rows: the slots asked for, modes by generations
+        print("bench: a lone step here runs a row for every slot; the modes take turns by "
+              "generations, in an engine of the slots asked for", file=sys.stderr, flush=True)
+        del engine
+        engine = make(wanted)
+    name = args.preset or str(model_dir(args))
 
     def progress(what: str) -> None:
         print(f"bench: {what}", file=sys.stderr, flush=True)
@@ -129,16 +142,16 @@ def _bench_steps(args: argparse.Namespace) -> int:
                                  threads=torch.get_num_threads(), k_max=engine.k_max,
                                  synthetic=synthetic)
     try:
-        result = bench_steps(engine, context=args.context or 2000,
-                             new_tokens=args.max_new_tokens, ks=ks, slots=args.slots,
-                             synthetic=synthetic, progress=progress, peer=peer,
-                             rounds=args.rounds)
+        result = steps.bench_steps(engine, context=args.context or 2000,
+                                   new_tokens=args.max_new_tokens, ks=ks, slots=args.slots,
+                                   synthetic=synthetic, progress=progress, peer=peer,
+                                   rounds=args.rounds)
     except PeerError as e:
         raise CliError(str(e)) from None
     result |= {"preset": name, "device": str(engine.device),
                "dtype": str(engine.dtype).removeprefix("torch."),
                "graphs": engine.graphs, "compiled": engine.compiled}
-    print(format_report(result))
+    print(steps.format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

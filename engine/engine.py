@@ -267,7 +267,7 @@ class Engine:
         self.state.set_rows(index, lengths=[s.length for s in slots],
                             tokens=[[g.sequence[-1]] + [0] * self.k_max for g in gens],
                             num_drafts=[0] * len(gens), given=[False] * len(gens))
-        step_rows = self._rows(len(gens))
+        step_rows = self.step_rows(len(gens))
         self._first_drafts(gens, slots, step_rows)
         self.drafting.choose(gens, slots, step_rows)
         return reused
@@ -299,7 +299,7 @@ class Engine:
     def _decode(self, gens: list[Generation]) -> list[Step]:
         slots = [self.slots.get(g.slot) for g in gens]
         index = [s.index for s in slots]
-        rows = self._rows(len(gens))
+        rows = self.step_rows(len(gens))
         plans = [self.drafting.plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
         k = max(p[0] for p in plans)
         if k and self.model.num_mtp:  # modules behind (steps without drafts) catch up first
@@ -335,8 +335,9 @@ class Engine:
         self.drafting.choose(gens, slots, rows)
         return steps
 
-    def _rows(self, live: int) -> int:
-        """Rows a step of `live` generations runs (padded ones included)."""
+    def step_rows(self, live: int) -> int:
+        """Rows a step of `live` generations runs (padded ones included): `live` where a
+        row's bits do not depend on the batch's size, else all slots."""
         return self.max_slots if self.static or not self.invariance.batch_invariant else live
 
     def _kv_len(self, n: int) -> int:

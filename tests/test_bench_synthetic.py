@@ -43,6 +43,8 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
     assert 1.5 <= r["tokens_per_step_by_k"]["1"] <= 2
     # the modes took turns 3 times; a K's ratio to plain decoding is the median of its rounds'
     assert r["rounds"] == 3 and "round 3 of 3" in proc.stderr
+    # fp32 here: by steps where a lone step runs one row, else by generations (said so)
+    assert r["turns"] == "steps" or "runs a row for every slot" in proc.stderr
     rounds = r["round_step_ms"]  # each mode's median step in each round
     assert set(rounds) == {"plain", "k1", "k2", "verify1", "verify2"}
     for k in ("1", "2"):
@@ -57,3 +59,28 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
                           "tiny-qwen3", "--synthetic-acceptance", "0.9,1.5"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "[0, 1]" in bad.stderr
+
+
+def test_the_modes_take_turns_step_by_step_where_each_has_a_slot_of_its_own() -> None:
+    """Each mode's generation in a slot of its own, one step each in turn: a drift of the
+    machine's speed moves all of them alike. With one slot, whole generations by turns."""
+    from clients.bench.steps import bench_modes, bench_steps, preset_engine
+
+    def engine(slots: int) -> Engine:
+        return preset_engine("tiny-qwen3", device="cpu", dtype=torch.bfloat16,
+                             max_seq_len=256, k_max=2, slots=slots)
+
+    stepwise = engine(len(bench_modes([1, 2])))
+    if stepwise.step_rows(1) != 1:
+        pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
+    said: list[str] = []
+    r = bench_steps(stepwise, context=48, new_tokens=20, ks=[1, 2], progress=said.append)
+    assert r["turns"] == "steps" and any("step by step (round 2 of 2)" in s for s in said)
+    assert r["identical_to_ar"] is True  # every K's output is plain decoding's, slot by slot
+    assert set(r["round_step_ms"]) == {"plain", "k1", "k2", "verify1", "verify2"}
+    assert all(len(v) == 2 for v in r["round_step_ms"].values())
+    kept = bench_steps(stepwise, context=48, new_tokens=20, ks=[2], synthetic=[1, 1],
+                       rounds=1)
+    assert kept["turns"] == "steps" and 2.5 <= kept["tokens_per_step_by_k"]["2"] <= 3
+    alone = bench_steps(engine(1), context=48, new_tokens=20, ks=[1], rounds=1)
+    assert alone["turns"] == "generations" and alone["identical_to_ar"] is True

@@ -79,7 +79,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     gen = torch.Generator().manual_seed(0)
     context = min(context, engine.prompt_budget(new_tokens))
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
-    ks = list(dict.fromkeys(ks or [k for k in (1, 2, 4, engine.k_max) if 0 < k <= engine.k_max]))
+    ks = bench_ks(ks, engine.k_max)
     out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
                            "exact": engine.exactness, "quant": describe(engine.model),
                            "load_s": engine.load_seconds}
@@ -87,8 +87,12 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     out["prefill_ms"] = statistics.median(_prefill_s(engine, prompts[0]) for _ in range(3)) * 1e3
     # Plain decoding, each K and each verify-only K take turns, `rounds` times: a machine
     # whose speed drifts during the run moves all of them alike, and their ratios hold.
-    modes: list[tuple[str, int]] = [("plain", 0), *(("k", k) for k in ks),
-                                    *(("verify", k) for k in ks)]
+    # Step by step where each mode can have a slot of its own and a lone generation's step
+    # runs its own row alone (a drift of a second then moves every mode alike); else a
+    # whole generation each.
+    modes = bench_modes(ks)
+    stepwise = engine.max_slots >= len(modes) and engine.step_rows(1) == 1
+    out["turns"] = "steps" if stepwise else "generations"
     times: dict[tuple[str, int], list[float]] = {m: [] for m in modes}
     by_round: dict[tuple[str, int], list[float]] = {m: [] for m in modes}  # median per round
     made: dict[tuple[str, int], int] = dict.fromkeys(modes, 0)
@@ -96,14 +100,11 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     identical = True
     for r in range(rounds):
         say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
-            f"(round {r + 1} of {rounds})")
-        for mode in modes:
-            kind, k = mode
-            if kind == "verify":
-                ts = _verify_timed(engine, prompts[0], new_tokens, k)
-            else:
-                tokens, ts = _timed(engine, prompts[0], _params(new_tokens, k=k)
-                                    if kind == "k" else _params(new_tokens, speculative=False))
+            f"{'step by step' if stepwise else 'by generations'} (round {r + 1} of {rounds})")
+        runs = _stepped(engine, prompts[0], modes, new_tokens) if stepwise else \
+            {mode: _generation(engine, prompts[0], mode, new_tokens) for mode in modes}
+        for mode, (tokens, ts) in runs.items():
+            if mode[0] != "verify":
                 made[mode] += len(tokens) - 1
                 plain = plain or tokens  # the first generation is plain decoding's
                 identical &= tokens == plain
@@ -151,6 +152,57 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     achieved = weight_bytes / (out["ar_step_ms"] / 1e3)
     out["weight_bandwidth_share"] = achieved / (out["copy_gb_per_s"] * 1e9)
     return out
+
+
+def bench_ks(ks: list[int] | None, k_max: int) -> list[int]:
+    """The Ks the bench times: those asked for, else 1, 2, 4 and k_max (up to k_max)."""
+    return list(dict.fromkeys(ks or [k for k in (1, 2, 4, k_max) if 0 < k <= k_max]))
+
+
+def bench_modes(ks: list[int]) -> list[tuple[str, int]]:
+    """What the bench times: plain decoding, each K, and each K's verify alone."""
+    return [("plain", 0), *(("k", k) for k in ks), *(("verify", k) for k in ks)]
+
+
+def _mode_params(mode: tuple[str, int], new_tokens: int) -> GenParams:
+    kind, k = mode
+    return _params(new_tokens, speculative=False) if kind == "plain" else \
+        _params(new_tokens, k=k if kind == "k" else 0)
+
+
+def _generation(engine: Engine, prompt: list[int], mode: tuple[str, int],
+                new_tokens: int) -> tuple[list[int], list[float]]:
+    """One mode's generation alone: its tokens and the seconds of each timed step."""
+    if mode[0] == "verify":
+        return [], _verify_timed(engine, prompt, new_tokens, mode[1])
+    return _timed(engine, prompt, _mode_params(mode, new_tokens))
+
+
+def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
+             new_tokens: int) -> dict[tuple[str, int], tuple[list[int], list[float]]]:
+    """Every mode's generation at once, each in a slot of its own, one step each in turn
+    until all have ended: their tokens and the seconds of each step after the prefill (a
+    verify-only mode's steps with K drafts given, until fewer than K + 1 tokens are left)."""
+    gens = {}
+    for i, mode in enumerate(modes):
+        slot = "bench" if i == 0 else ("bench", i)
+        engine.clear_cache(slot)
+        gens[mode] = engine.start(prompt, _mode_params(mode, new_tokens), slot=slot)
+        engine.step([gens[mode]])  # the prefill, not timed
+    times: dict[tuple[str, int], list[float]] = {m: [] for m in modes}
+    live = list(modes)
+    while live:
+        for mode in list(live):
+            gen, (kind, k) = gens[mode], mode
+            if gen.finish_reason is not None or (kind == "verify" and gen.tokens_left() <= k + 1):
+                live.remove(mode)
+                continue
+            if kind == "verify":
+                engine.give_drafts(gen, [gen.sequence[-1]] * k)  # any tokens cost the same
+            t0 = time.perf_counter()
+            engine.step([gen])  # ends with the host reading the step's result: synchronised
+            times[mode].append(time.perf_counter() - t0)
+    return {m: ([] if m[0] == "verify" else gens[m].tokens, times[m]) for m in modes}
 
 
 def _params(new_tokens: int, **kw: Any) -> GenParams:
@@ -282,7 +334,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"prefill of {r['context']} tokens: {r['prefill_ms']:.1f} ms",
         f"plain decoding step: {r['ar_step_ms']:.2f} ms ({r['ar_tokens_per_s']:.1f} tokens/s)",
         f"step ms by K: {by_k} (over a plain step, the median of {r.get('rounds', 1)} "
-        f"rounds' ratios, the modes taking turns: {ratio})",
+        f"rounds' ratios, the modes taking turns by {r.get('turns', 'generations')}: "
+        f"{ratio})",
         f"verify-only step ms by K (K drafts given, none made): {verify}",
         f"draft ms per token by K (step - verify-only) / K: {per_draft} "
         f"(share of a plain step: {share})",
