@@ -106,9 +106,6 @@ def _bench_steps(args: argparse.Namespace) -> int:
                            f"comma-separated, not {args.synthetic_acceptance!r}")
     ks = None if args.ks is None else [int(k) for k in args.ks.split(",")]
     options = engine_options(args) | mtp_only
-    # a slot for each mode, so that they can take turns step by step (bench_steps)
-    wanted = options["slots"]
-    modes = len(steps.bench_modes(steps.bench_ks(ks, options["k_max"])))
 
     def make(slots: int) -> Any:
         if not args.preset:
@@ -118,17 +115,11 @@ def _bench_steps(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise CliError(str(e)) from None
 
-    engine = make(max(wanted, modes))
-    if engine.step_rows(1) > 1 and engine.max_slots > wanted:
-        # each step would run all the slots' rows: the slots asked for, modes by generations
-        print("bench: a lone step here runs a row for every slot; the modes take turns by "
-              "generations, in an engine of the slots asked for", file=sys.stderr, flush=True)
-        del engine
-        engine = make(wanted)
-    name = args.preset or str(model_dir(args))
-
     def progress(what: str) -> None:
         print(f"bench: {what}", file=sys.stderr, flush=True)
+
+    engine = steps.bench_engine(make, options["slots"], ks, options["k_max"], progress)
+    name = args.preset or str(model_dir(args))
 
     import functools
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,16 +65,28 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
 def test_the_modes_take_turns_step_by_step_where_each_has_a_slot_of_its_own() -> None:
     """Each mode's generation in a slot of its own, one step each in turn: a drift of the
     machine's speed moves all of them alike. With one slot, whole generations by turns."""
-    from clients.bench.steps import bench_modes, bench_steps, preset_engine
+    from clients.bench.steps import bench_engine, bench_steps, preset_engine
 
-    def engine(slots: int) -> Engine:
-        return preset_engine("tiny-qwen3", device="cpu", dtype=torch.bfloat16,
-                             max_seq_len=256, k_max=2, slots=slots)
+    made: list[int] = []
 
-    stepwise = engine(len(bench_modes([1, 2])))
-    if stepwise.step_rows(1) != 1:
-        pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
+    def make(dtype: torch.dtype) -> Callable[[int], Engine]:
+        def engine(slots: int) -> Engine:
+            made.append(slots)
+            return preset_engine("tiny-qwen3", device="cpu", dtype=dtype, max_seq_len=256,
+                                 k_max=2, slots=slots)
+        return engine
+
     said: list[str] = []
+    fp32 = bench_engine(make(torch.float32), 1, [1, 2], 2, said.append)
+    if made == [5, 1]:  # a lone fp32 step here runs a row for every slot: made again
+        assert fp32.max_slots == 1 and "runs a row for every slot" in said[0]
+    else:
+        assert made == [5] and fp32.step_rows(1) == 1 and not said
+    made.clear()
+    stepwise = bench_engine(make(torch.bfloat16), 1, [1, 2], 2, said.append)
+    if made != [5]:
+        pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
+    said.clear()
     r = bench_steps(stepwise, context=48, new_tokens=20, ks=[1, 2], progress=said.append)
     assert r["turns"] == "steps" and any("step by step (round 2 of 2)" in s for s in said)
     assert r["identical_to_ar"] is True  # every K's output is plain decoding's, slot by slot
@@ -82,5 +95,5 @@ def test_the_modes_take_turns_step_by_step_where_each_has_a_slot_of_its_own() ->
     kept = bench_steps(stepwise, context=48, new_tokens=20, ks=[2], synthetic=[1, 1],
                        rounds=1)
     assert kept["turns"] == "steps" and 2.5 <= kept["tokens_per_step_by_k"]["2"] <= 3
-    alone = bench_steps(engine(1), context=48, new_tokens=20, ks=[1], rounds=1)
+    alone = bench_steps(make(torch.bfloat16)(1), context=48, new_tokens=20, ks=[1], rounds=1)
     assert alone["turns"] == "generations" and alone["identical_to_ar"] is True

@@ -154,6 +154,21 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     return out
 
 
+def bench_engine(make: Callable[[int], Engine], slots: int, ks: list[int] | None, k_max: int,
+                 progress: Progress) -> Engine:
+    """An engine for `bench_steps` from `make(slots)`: with a slot for each mode where a
+    lone generation's step runs its own row alone (the modes then take turns step by step),
+    else with the `slots` asked for (by whole generations: more slots would put a row for
+    each of them into every step)."""
+    engine = make(max(slots, len(bench_modes(bench_ks(ks, k_max)))))
+    if engine.step_rows(1) > 1 and engine.max_slots > slots:
+        progress("a lone step here runs a row for every slot; the modes take turns by "
+                 "generations, in an engine of the slots asked for")
+        del engine
+        engine = make(slots)
+    return engine
+
+
 def bench_ks(ks: list[int] | None, k_max: int) -> list[int]:
     """The Ks the bench times: those asked for, else 1, 2, 4 and k_max (up to k_max)."""
     return list(dict.fromkeys(ks or [k for k in (1, 2, 4, k_max) if 0 < k <= k_max]))
