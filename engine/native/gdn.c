@@ -51,7 +51,8 @@ static void conv_block(const void *x, int64_t x_stride, int64_t b, int64_t S, in
         taps[j] = _mm512_loadu_ps(t);
     }
     for (int64_t j = 0; j < keep; j++)
-        for (int64_t i = 0; i < 16; i++) win[j][i] = scalar(conv, state + (c0 + i) * keep + j, bf16);
+        for (int64_t i = 0; i < 16; i++)
+            win[j][i] = scalar(conv, state + (c0 + i) * keep + j, bf16);
     for (int64_t s = 0; s < S; s++)
         _mm512_storeu_ps(win[keep + s], load16(x, (b * S + s) * x_stride + c0, bf16));
     for (int64_t s = 0; s < S; s++) {
@@ -107,7 +108,8 @@ int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, i
     const int64_t entry = C * keep;  /* elements of one conv state */
     for (int64_t b = 0; b < B; b++) {  /* [committed, after position 0, 1, ...] */
         const int64_t slot = slots[b], at = index[slot];
-        for (int64_t s = 0; s <= S; s++) after[b * (S + 1) + s] = (slot * R + (at + s) % R) * entry;
+        for (int64_t s = 0; s <= S; s++)
+            after[b * (S + 1) + s] = (slot * R + (at + s) % R) * entry;
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
