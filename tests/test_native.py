@@ -122,10 +122,18 @@ def _attention_case(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ..
 
 
 @needs_vnni
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "dot"), [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "bf16-dot-products"])
+def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
+        dtype: torch.dtype, dot: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of scoring bf16 keys: converted to fp32, and by bf16 dot products where the
+    CPU has them (AVX512-BF16)."""
     from engine.model.attention import masked_attention
 
+    if dot and not native.kernels().bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    monkeypatch.setattr(native.kernels(), "bf16_dot", dot)
     cache_k, cache_v, q, pos = _attention_case(dtype)
     kernel = native
     k, v = cache_k[1:3, :, :64], cache_v[1:3, :, :64]  # slots 1, 2; a bucket of 64 keys

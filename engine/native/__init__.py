@@ -7,7 +7,8 @@ The source ships with the package and is compiled on first use by the system's C
 (`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the source, the
 flags and the compiler), then loaded with ctypes: no build step at install, under a second
 to compile, and a machine without a compiler or without VNNI runs torch's kernels instead
-(`status()` says which and why). `AHEAD_NATIVE=0` turns them off.
+(`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the CPU also has
+AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`).
 
 Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
 soname), as many threads as `torch.get_num_threads()`.
@@ -56,8 +57,10 @@ class Kernels:
         att.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         att.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
-                        ctypes.c_int, ctypes.c_float, i64, i64, ctypes.c_int]
+                        ctypes.c_int, ctypes.c_float, i64, i64, ctypes.c_int, ctypes.c_int]
         self._attention = att
+        # attention's scores of bf16 queries and keys by bf16 dot products (attention.c)
+        self.bf16_dot = "avx512_bf16" in (_cpu_flags() or set())
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int]
@@ -101,7 +104,8 @@ class Kernels:
                            k.shape[1], k.stride(0), k.stride(1), k.shape[2],
                            positions.data_ptr(), out.data_ptr(), int(k.dtype == torch.bfloat16),
                            dim ** -0.5 if scale is None else scale, window, ring,
-                           torch.get_num_threads()) != 0:
+                           torch.get_num_threads(),
+                           int(self.bf16_dot and q.dtype == torch.bfloat16)) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out.to(q.dtype)
 
@@ -150,13 +154,21 @@ class Kernels:
         return y.to(dtype).view(*x.shape[:-1], n)
 
 
-def _missing_cpu_flags() -> list[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ["/proc/cpuinfo"]
+        return None
     line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def _missing_cpu_flags() -> list[str]:
+    have = _cpu_flags()
+    if have is None:
+        return ["/proc/cpuinfo"]
     return [f for f in CPU_FLAGS if f not in have]
 
 
