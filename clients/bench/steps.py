@@ -102,7 +102,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
         say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
             f"{'step by step' if stepwise else 'by generations'} (round {r + 1} of {rounds})")
         runs = _stepped(engine, prompts[0], modes, new_tokens) if stepwise else \
-            {mode: _generation(engine, prompts[0], mode, new_tokens) for mode in modes}
+            {mode: _stepped(engine, prompts[0], [mode], new_tokens)[mode] for mode in modes}
         for mode, (tokens, ts) in runs.items():
             if mode[0] != "verify":
                 made[mode] += len(tokens) - 1
@@ -185,19 +185,12 @@ def _mode_params(mode: tuple[str, int], new_tokens: int) -> GenParams:
         _params(new_tokens, k=k if kind == "k" else 0)
 
 
-def _generation(engine: Engine, prompt: list[int], mode: tuple[str, int],
-                new_tokens: int) -> tuple[list[int], list[float]]:
-    """One mode's generation alone: its tokens and the seconds of each timed step."""
-    if mode[0] == "verify":
-        return [], _verify_timed(engine, prompt, new_tokens, mode[1])
-    return _timed(engine, prompt, _mode_params(mode, new_tokens))
-
-
 def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
              new_tokens: int) -> dict[tuple[str, int], tuple[list[int], list[float]]]:
-    """Every mode's generation at once, each in a slot of its own, one step each in turn
-    until all have ended: their tokens and the seconds of each step after the prefill (a
-    verify-only mode's steps with K drafts given, until fewer than K + 1 tokens are left)."""
+    """Every mode's generation at once (one mode: alone), each in a slot of its own, one step
+    each in turn until all have ended: their tokens and the seconds of each step after the
+    prefill (a verify-only mode's steps with K drafts given, until fewer than K + 1 tokens
+    are left)."""
     gens = {}
     for i, mode in enumerate(modes):
         slot = "bench" if i == 0 else ("bench", i)
@@ -224,20 +217,6 @@ def _params(new_tokens: int, **kw: Any) -> GenParams:
     """Every generation here runs its full length: random weights write an end token or fall
     into a loop anywhere, and a step is timed whatever its tokens."""
     return GenParams(new_tokens, stop_loops=False, ignore_eos=True, **kw)
-
-
-def _verify_timed(engine: Engine, prompt: list[int], new_tokens: int, k: int) -> list[float]:
-    """Seconds of each verify step of K drafts given to it (any tokens cost the same)."""
-    engine.clear_cache("bench")
-    gen = engine.start(prompt, _params(new_tokens, k=0), slot="bench")
-    engine.step([gen])
-    times = []
-    while gen.finish_reason is None and gen.tokens_left() > k + 1:
-        engine.give_drafts(gen, [gen.sequence[-1]] * k)
-        t0 = time.perf_counter()
-        engine.step([gen])
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _prefill_s(engine: Engine, prompt: list[int]) -> float:

@@ -221,7 +221,7 @@ int causal_attention(const float *q, int64_t B, int64_t H, int64_t S, int64_t D,
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        /* a tile's scores, and its queries times the scale */
+        /* a tile's scores, and its queries times the scale (or as they are, in bf16) */
         float *scores = malloc(sizeof(float) * (size_t)((kv_len + 32 + D) * MAX_TILE + 16 * D)
                                + sizeof(uint16_t) * (size_t)(MAX_TILE * D));
         if (!scores) {
