@@ -85,10 +85,12 @@ def test_compiled_blocks_keep_eager_shapes_and_compile_a_handful_of_variants(
     assert compiled_variants(reloaded) > 0 and compiled_variants(engine) == variants
 
 
-def compiled_variants(engine: Engine) -> int:
+def compiled_variants(of: Engine | object) -> int:
+    """How many variants Dynamo keeps of an engine's compiled block runner, or a runner."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    code = engine.model.block_runner._torchdynamo_orig_callable.__code__  # type: ignore[attr-defined]
+    runner = of.model.block_runner if isinstance(of, Engine) else of
+    code = runner._torchdynamo_orig_callable.__code__  # type: ignore[attr-defined]
     return len(_debug_get_cache_entry_list(code))
 
 
@@ -108,6 +110,61 @@ def test_compiled_blocks_in_a_hybrid_model(tmp_path: Path) -> None:
         runs = [e.generate(prompt, GenParams(16, k=k, speculative=k != 0)) for e in engines]
         assert runs[0].tokens == runs[1].tokens
         assert runs[0].stats.accepted or k == 0
+
+
+@pytest.mark.slow
+def test_a_deep_models_fixed_shape_step_compiles_block_by_block(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model deeper than WHOLE_BLOCKS (0 here; a real-shape model on CUDA) compiles each
+    kind of block once in fixed shapes (full attention; Gated DeltaNet as on CUDA, our CPU
+    kernels off) for every layer and module: a handful of graphs, none again once warm as K,
+    prompt lengths and live slots change (prefill keeps its eager blocks), and the tokens of
+    the eager fixed-shape step."""
+    from engine import native
+    from engine.exec import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "WHOLE_BLOCKS", 0)
+    monkeypatch.setattr(native, "_load", lambda: "off (as on CUDA: no CPU kernel of ours)")
+    write_checkpoint(tmp_path, "tiny-qwen3.5", train_steps=10, seed=0, mtp_naming="mtp")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    kw = {"max_seq_len": 256, "k_max": 4, "slots": 2, "fixed_shapes": True, "exact": False}
+    engine = Engine.load(tmp_path, compile=True, **kw)  # type: ignore[arg-type]
+    eager = Engine.load(tmp_path, compile=False, **kw)  # type: ignore[arg-type]
+    assert engine.static and engine.compiled and step_mode(engine) == "compiled"
+    assert engine.model.block_runner is run_block  # between steps: prefill runs eager
+    rng = random.Random(2)
+
+    def batch() -> list[list[int]]:
+        live = rng.randint(1, 2)
+        prompts = [[rng.randrange(300, 396) for _ in range(rng.randint(3, 70))]
+                   for _ in range(live)]
+        ks = [rng.choice([0, 1, 3, None]) for _ in range(live)]
+        runs = []
+        for e in (engine, eager):
+            gens = [e.start(p, GenParams(10, k=k), slot=i)
+                    for i, (p, k) in enumerate(zip(prompts, ks, strict=True))]
+            while running := [g for g in gens if g.finish_reason is None]:
+                e.step(running)
+            runs.append([g.tokens for g in gens])
+        assert runs[0] == runs[1]
+        return runs[0]
+
+    for _ in range(3):
+        batch()
+    graphs = counters["stats"]["unique_graphs"]
+    assert 0 < graphs <= 8, graphs  # both kinds of block, a few shapes: not a layer each
+    runners = engine.fns.verify
+    assert isinstance(runners, compile_mod.InStep)
+    kinds = [layer.linear for layer in engine.model.model.layers]
+    assert kinds.count(True) == 3 and kinds.count(False) == 1 and engine.model.num_mtp == 1
+    # one variant serves the three Gated DeltaNet layers; the full-attention layer and the
+    # module share the window's shape, and the module alone runs the drafts' one row
+    assert compiled_variants(runners.linear) == 1 and compiled_variants(runners.blocks) == 2
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            batch()
 
 
 class HostSyncs(TorchDispatchMode):

@@ -124,3 +124,30 @@ def test_gemma4_with_its_assistant_replays_as_graphs(tmp_path: Path) -> None:
     assert len(prompts[2]) + 40 > ring.size
     params = [GenParams(40, k=k) for k in (None, 3, 8)]
     assert run_batched(graphed, prompts, params) == alone
+
+
+def test_int4_replayed_steps_equal_plain_decoding(model_dir: Path, tmp_path: Path) -> None:
+    """tinygemm's int4 product (`aten._weight_int4pack_mm`) for every linear layer, the
+    reduced draft head's rows included, inside captured steps: speculative output equals
+    plain decoding of the same quantized model, alone and with three slots, and the codes
+    kept on disk load back to the same tokens."""
+    from engine.model.quant import describe
+
+    def int4() -> Engine:
+        return load(model_dir, graphs=True, compile=False, quant="int4",
+                    quant_cache=tmp_path / "quant")
+
+    engine = int4()
+    assert describe(engine.model).startswith("int4"), describe(engine.model)
+    prompts = code_prompts(engine, 3)
+    alone = [engine.generate(p, GenParams(n, speculative=False), slot="alone").tokens
+             for p, n in zip(prompts, (40, 25, 33), strict=True)]
+    for k in (1, 3, None):
+        assert engine.generate(prompts[0], GenParams(40, k=k)).tokens == alone[0]
+    params = [GenParams(n, k=k) for n, k in zip((40, 25, 33), (2, None, 5), strict=True)]
+    assert run_batched(engine, prompts, params) == alone
+    assert engine.graphs and engine.captured > 0
+    assert any((tmp_path / "quant").rglob("*")), "the int4 codes were not kept on disk"
+    again = int4()
+    assert [again.generate(p, GenParams(n, speculative=False), slot="alone").tokens
+            for p, n in zip(prompts, (40, 25, 33), strict=True)] == alone

@@ -2,13 +2,21 @@
 activation kernels between the matmuls, and on the CPU takes the per-kernel cost of the
 many small ones out of the step.
 
-Two ways, by what the engine promises:
-- Fixed-shape steps (CUDA, and engines that keep speculative output bit-identical): the
-  step's two functions compile whole. They run one shape: the widest verify, every slot
-  (padding rows in the spare slot), attention over the whole cache. What still varies, the
-  number of drafts, is the number of calls of `draft_one`, whose draft index is a tensor: so
-  the step compiles once per kind of batch (greedy or sampled, drafting or not) and never
-  again as K, prompt lengths and the number of live slots change.
+Three ways, by what the engine promises and the model's depth:
+- Fixed-shape steps (CUDA, and engines that keep speculative output bit-identical) of a
+  shallow model (at most WHOLE_BLOCKS blocks, modules included): the step's two functions
+  compile whole. They run one shape: the widest verify, every slot (padding rows in the
+  spare slot), attention over the whole cache. What still varies, the number of drafts, is
+  the number of calls of `draft_one`, whose draft index is a tensor: so the step compiles
+  once per kind of batch (greedy or sampled, drafting or not) and never again as K, prompt
+  lengths and the number of live slots change.
+- Fixed-shape steps of a deeper model: Inductor's time grows with the graph, and a whole
+  real-shape step did not finish compiling in 76 s (Qwen2-1.5B's 28 blocks) or 107 s
+  (Qwen3.5-2B) on an H100. There each kind of block (full attention; Gated DeltaNet on CUDA,
+  where no CPU kernel of ours runs it) compiles once, in fixed shapes, and serves every
+  layer and module of its kind inside the step; embedding, head, acceptance and drafting
+  glue run eager between them (captured all the same in CUDA graphs). Prefill keeps the
+  eager blocks: its lengths vary.
 - Eager-shaped steps (fp32 on the CPU by default): the step keeps the narrowest shapes, which
   on a CPU cost far less than a fixed one (every row and key computed), and each
   full-attention block runs as one compiled function of the block, with dynamic shapes: one
@@ -31,13 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from engine import native
 from engine.decode.draft import draft_one
 from engine.decode.step import EAGER, StepFns, verify_window
 from engine.model.block import run_block
+from engine.model.gemma4 import Gemma4Model
 from engine.model.transformer import Transformer
 
 BLOCK_VARIANTS = 32  # compiled variants of the block allowed (8 are used: see the tests)
+WHOLE_BLOCKS = 12  # a fixed-shape step of a model of at most this many blocks compiles whole
 
 
 def cache_dir() -> Path:
@@ -57,15 +69,52 @@ def own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
 def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     """The functions a step runs; for a compiled eager-shaped step, the model's blocks run
     compiled (and uncompiled again when `compiled` is False)."""
-    model.block_runner = run_block
+    model.block_runner = model.linear_runner = run_block
     if not compiled:
         return EAGER
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
-    if static:
+    if static and not by_blocks(model):
         return StepFns(torch.compile(own_copy(verify_window), fullgraph=True, dynamic=False),
                        torch.compile(own_copy(draft_one), fullgraph=True, dynamic=False))
+    if static:
+        return block_step(model)
     # Not fullgraph: a block that cannot compile whole (an op Dynamo does not know, variants
     # past the limit) runs partly eager rather than failing a request.
     model.block_runner = torch.compile(  # type: ignore[call-overload]
         own_copy(run_block), dynamic=True, recompile_limit=BLOCK_VARIANTS)
     return EAGER
+
+
+def by_blocks(model: Transformer) -> bool:
+    """Whether a fixed-shape step compiles block by block rather than whole: a deep model
+    (Gemma 4's trunk runs its own blocks, with the KV they share: it compiles whole)."""
+    return not isinstance(model.model, Gemma4Model) \
+        and len(model.model.layers) + model.num_mtp > WHOLE_BLOCKS
+
+
+def block_step(model: Transformer) -> StepFns:
+    """The step's functions run eager, their blocks compiled in fixed shapes (one copy for
+    the full-attention blocks, one for the Gated DeltaNet blocks on CUDA)."""
+    blocks = torch.compile(own_copy(run_block), dynamic=False,  # type: ignore[call-overload]
+                           recompile_limit=BLOCK_VARIANTS)
+    cuda = model.model.embed_tokens.weight.device.type == "cuda"
+    linear = torch.compile(own_copy(run_block), dynamic=False,  # type: ignore[call-overload]
+                           recompile_limit=BLOCK_VARIANTS) if cuda or not native.available() \
+        else run_block  # our CPU kernels run them
+    return StepFns(InStep(verify_window, blocks, linear), InStep(draft_one, blocks, linear))
+
+
+class InStep:
+    """`fn` with the compiled block runners in the model while it runs, and `run_block`
+    after: prefill's varied lengths compile nothing."""
+
+    def __init__(self, fn: Callable[..., Any], blocks: Callable[..., Tensor],
+                 linear: Callable[..., Tensor]) -> None:
+        self.fn, self.blocks, self.linear = fn, blocks, linear
+
+    def __call__(self, model: Transformer, *args: Any, **kwargs: Any) -> Any:
+        model.block_runner, model.linear_runner = self.blocks, self.linear
+        try:
+            return self.fn(model, *args, **kwargs)
+        finally:
+            model.block_runner = model.linear_runner = run_block

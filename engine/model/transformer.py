@@ -50,9 +50,10 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
         self.chain_normed = cfg.mtp_naming in ("mimo", "mtp")
-        # How full-attention blocks run: `run_block`, or one compiled copy of it for them all
-        # (exec/compile.py); Gated DeltaNet blocks always run as they are.
+        # How full-attention blocks and Gated DeltaNet blocks run: `run_block`, or a compiled
+        # copy of it for all blocks of the kind (exec/compile.py).
         self.block_runner: Callable[..., Tensor] = run_block
+        self.linear_runner: Callable[..., Tensor] = run_block
         # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).
@@ -110,7 +111,7 @@ class Transformer(nn.Module):
             return self.model(tokens, rope, batch, caches)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            run = run_block if layer.linear else self.block_runner
+            run = self.linear_runner if layer.linear else self.block_runner
             x = run(layer, x, rope, batch, None if caches is None else caches[i])
         return self.model.norm(x)
 

@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--preset", default="qwen2-1.5b")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="torch.compile the preset's step (auto: as the engine decides)")
     args = p.parse_args()
     bundled = bundled_model_dir()
     assert bundled is not None
@@ -64,7 +66,8 @@ def main() -> None:
     profile_engine("bundled", engine, args.steps)
     del engine
     engine = preset_engine(args.preset, device=args.device, dtype=torch.bfloat16, max_seq_len=4096,
-                           k_max=4, slots=1)
+                           k_max=4, slots=1,
+                           compile={"auto": None, "on": True, "off": False}[args.compile])
     profile_engine(args.preset, engine, args.steps)
 
 
