@@ -74,6 +74,25 @@ def test_replaying_does_not_grow_memory(graphed: Engine) -> None:
     assert torch.cuda.memory_allocated() <= before + (1 << 20)
 
 
+def test_synthetic_acceptance_reaches_steps_captured_before_it(graphed: Engine) -> None:
+    """The bench sets its synthetic acceptance on an engine whose steps were captured at
+    load: rates of one keep every draft, zero none, then the model's own rule again (on the
+    H200 the captured steps ignored the rates: every K kept nothing)."""
+    prompt = code_prompts(graphed, 1)[0]
+    params = GenParams(40, k=3, stop_loops=False)
+    own = graphed.generate(prompt, params, slot="synth")
+    kept = {}
+    try:
+        for rate in (1.0, 0.0):
+            graphed.state.synthetic = torch.full((graphed.k_max,), rate, device="cuda")
+            gen = graphed.generate(prompt, params, slot="synth")
+            kept[rate] = (gen.stats.accepted, gen.stats.drafted)
+    finally:
+        graphed.state.synthetic = None
+    assert kept[1.0][0] == kept[1.0][1] > 0 and kept[0.0][0] == 0 < kept[0.0][1]
+    assert graphed.generate(prompt, params, slot="synth").tokens == own.tokens
+
+
 def test_graphs_off_still_decodes_exactly(model_dir: Path) -> None:
     engine = load(model_dir, graphs=False, compile=False)
     for prompt in code_prompts(engine, 2):

@@ -80,9 +80,20 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
         return block_step(model)
     # Not fullgraph: a block that cannot compile whole (an op Dynamo does not know, variants
     # past the limit) runs partly eager rather than failing a request.
-    model.block_runner = torch.compile(  # type: ignore[call-overload]
-        own_copy(run_block), dynamic=True, recompile_limit=BLOCK_VARIANTS)
+    model.block_runner = with_variants(own_copy(run_block), BLOCK_VARIANTS, dynamic=True)
     return EAGER
+
+
+def with_variants(fn: Callable[..., Any], limit: int, **kw: Any) -> Callable[..., Any]:
+    """torch.compile(fn) keeping up to `limit` compiled variants: its own limit where
+    torch.compile takes one (2.12 on), else Dynamo's global one raised to it (the GPU
+    machines' torch 2.11 refused `recompile_limit`)."""
+    try:
+        return torch.compile(fn, recompile_limit=limit, **kw)  # type: ignore[call-overload]
+    except TypeError:
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, limit)
+        return torch.compile(fn, **kw)
 
 
 def by_blocks(model: Transformer) -> bool:
@@ -95,12 +106,10 @@ def by_blocks(model: Transformer) -> bool:
 def block_step(model: Transformer) -> StepFns:
     """The step's functions run eager, their blocks compiled in fixed shapes (one copy for
     the full-attention blocks, one for the Gated DeltaNet blocks on CUDA)."""
-    blocks = torch.compile(own_copy(run_block), dynamic=False,  # type: ignore[call-overload]
-                           recompile_limit=BLOCK_VARIANTS)
+    blocks = torch.compile(own_copy(run_block), dynamic=False)
     cuda = model.model.embed_tokens.weight.device.type == "cuda"
-    linear = torch.compile(own_copy(run_block), dynamic=False,  # type: ignore[call-overload]
-                           recompile_limit=BLOCK_VARIANTS) if cuda or not native.available() \
-        else run_block  # our CPU kernels run them
+    linear = torch.compile(own_copy(run_block), dynamic=False) \
+        if cuda or not native.available() else run_block  # our CPU kernels run them
     return StepFns(InStep(verify_window, blocks, linear), InStep(draft_one, blocks, linear))
 
 
