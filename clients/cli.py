@@ -250,6 +250,21 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_draft_vocab(args: argparse.Namespace) -> int:
+    from clients.bench.draft_vocab import bench_draft_vocab, format_report
+
+    try:
+        sizes = [int(n) for n in args.sizes.split(",")]
+        result = bench_draft_vocab(model_dir(args), [Path(f) for f in args.files], sizes,
+                                   chars=args.chars)
+    except (ValueError, FileNotFoundError) as e:
+        raise CliError(f"bench draft-vocab: {e}") from None
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def _bench_files(args: argparse.Namespace) -> tuple[list[Path], list[dict[str, str]]]:
     """The code a bench samples: --outside (installed projects the bundled model never saw,
     with their versions and licences), --files, else the held-out standard library."""
@@ -506,6 +521,18 @@ def build_parser() -> argparse.ArgumentParser:
     lspb.add_argument("--keystrokes", type=int, default=100)
     lspb.add_argument("--json", help="write the results to this file")
     lspb.set_defaults(func=cmd_bench_lsp)
+    dv = bench_sub.add_parser("draft-vocab", help="the share of your code's tokens the "
+                              "drafts' reduced vocabulary holds, by language and size")
+    dv.add_argument("--model", help="checkpoint directory or Hugging Face name (default: "
+                    "the config file's, $AHEAD_MODEL, else the bundled model)")
+    dv.add_argument("--files", nargs="+", default=["."],
+                    help="files, and directories searched for source files (default: .)")
+    dv.add_argument("--sizes", default="16384,32768",
+                    help="reduced vocabulary sizes, comma-separated (default 16384,32768)")
+    dv.add_argument("--chars", type=int, default=400_000,
+                    help="characters read per language at most (default 400000)")
+    dv.add_argument("--json", help="write the results to this file")
+    dv.set_defaults(func=cmd_bench_draft_vocab)
     qual = bench_sub.add_parser("quality", help="would a person keep the suggestions: shown "
                                 "rate, exact match, docstrings, against the threshold")
     add_model_args(qual)
