@@ -206,6 +206,46 @@ def test_a_second_load_reads_the_calibration_and_other_settings_measure_afresh(
     assert len(list((cache.parent / "calibration").glob("*.json"))) == 2
 
 
+def test_fixed_shape_steps_read_their_own_calibration_and_warm_up_instead_of_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A compiled fixed-shape step (CUDA's kind, here on the CPU) keeps its calibration in an
+    entry of its own (its costs are not the eager step's): a second load reads it, measures
+    nothing and compiles in its warm-up; where that warm-up fails, it runs eager, measured."""
+    from engine.decode import costs
+    from engine.exec import compile as compile_mod
+
+    model_dir, cache = tmp_path / "model", tmp_path / "cache" / "quant"
+    write_checkpoint(model_dir, "tiny-qwen3", seed=6)
+    kw = {"dtype": torch.bfloat16, "max_seq_len": 128, "k_max": 3, "slots": 2,
+          "quant_cache": cache, "fixed_shapes": True}
+    first = Engine.load(model_dir, compile=True, **kw)  # type: ignore[arg-type]
+    Engine.load(model_dir, compile=False, **kw)  # type: ignore[arg-type]
+    entries = sorted((cache.parent / "calibration").glob("*.json"), key=lambda f: f.stat().st_mtime)
+    assert len(entries) == 2  # the compiled step's and the eager one's
+    stored = json.loads(entries[0].read_text())
+    stored["costs"] = {r: [0.5 + k for k in range(4)] for r in stored["costs"]}
+    entries[0].write_text(json.dumps(stored))
+    measured = []
+    real = costs.measure_costs
+    monkeypatch.setattr("engine.exec.calibration.measure_costs",
+                        lambda *a, **k: measured.append(1) or real(*a, **k))
+    second = Engine.load(model_dir, compile=True, **kw)  # type: ignore[arg-type]
+    assert not measured and second.policy.cost(2) == 2.5 and second.compiled
+    prompt = list(range(300, 340))
+    assert second.generate(prompt, GenParams(12, k=3)).tokens == \
+        first.generate(prompt, GenParams(12, k=3)).tokens
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("the compiler failed")
+
+    monkeypatch.setattr(compile_mod, "verify_window", broken)
+    third = Engine.load(model_dir, compile=True, **kw)  # type: ignore[arg-type]
+    assert measured and not third.compiled and third.policy.cost(2) != 2.5
+    assert "the compiler failed" in caplog.text
+    assert third.generate(prompt, GenParams(12, k=3)).tokens == \
+        first.generate(prompt, GenParams(12, k=3)).tokens
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_summed_by_key_blocks_keeps_each_rows_bits_its_own(dtype: torch.dtype) -> None:
     """The GPU's attention sums p @ v block by block of keys (`weighted_values`): the value of

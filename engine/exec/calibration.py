@@ -53,10 +53,13 @@ def device_identity(device: torch.device) -> str:
 class CalibrationStore:
     def __init__(self, root: Path, **identity: object) -> None:
         """`identity`: what the figures depend on (see the module's docstring)."""
-        text = json.dumps({**identity, "torch": torch.__version__, "version": VERSION},
-                          sort_keys=True,
-                          default=str)
-        self.path = root / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+        self.root, self.identity = root, {**identity, "torch": torch.__version__,
+                                          "version": VERSION}
+
+    def path(self, step: str) -> Path:
+        """The entry for steps run this way ("eager", "compiled", "graphs", ...)."""
+        text = json.dumps({**self.identity, "step": step}, sort_keys=True, default=str)
+        return self.root / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
     @classmethod
     def of_checkpoint(cls, root: Path, model_dir: Path, model: Transformer,
@@ -67,20 +70,20 @@ class CalibrationStore:
                    device=device_identity(weight.device), dtype=weight.dtype,
                    threads=torch.get_num_threads(), kernels=native.status(), **settings)
 
-    def read(self) -> tuple[Invariance, tuple[Curves, Curves]] | None:
+    def read(self, step: str) -> tuple[Invariance, tuple[Curves, Curves]] | None:
         try:
-            entry = json.loads(self.path.read_text())
+            entry = json.loads(self.path(step).read_text())
             costs, verify = ({int(r): [float(c) for c in curve] for r, curve in entry[key].items()}
                              for key in ("costs", "verify"))
             return Invariance(**entry["invariance"]), (costs, verify)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None  # absent or unreadable: measured again, and written anew
 
-    def write(self, invariance: Invariance, costs: tuple[Curves, Curves]) -> None:
+    def write(self, step: str, invariance: Invariance, costs: tuple[Curves, Curves]) -> None:
         text = json.dumps({"invariance": asdict(invariance),
                            "costs": {str(r): c for r, c in costs[0].items()},
                            "verify": {str(r): c for r, c in costs[1].items()}})
-        write_replacing(self.path, lambda tmp: tmp.write_text(text))
+        write_replacing(self.path(step), lambda tmp: tmp.write_text(text))
 
 
 class Calibrating(Stepper, Protocol):
@@ -107,10 +110,14 @@ class Calibrating(Stepper, Protocol):
 
 
 def calibrate(engine: Calibrating) -> None:
-    """See `Engine.calibrate`. Compiled and captured steps are measured every time: measuring
-    is also their warm-up."""
-    eager = not (engine.compiled or engine.graphs)
-    stored = engine.calibration.read() if engine.calibration and eager else None
+    """See `Engine.calibrate`. Fixed-shape steps (compiled, captured) read from disk are
+    compiled and captured by the warm-up's generations instead of by measuring them (on the
+    H200 a warm `ahead serve` took 17 s to its first suggestion, measuring every K); where
+    that fails they run eager and are measured. Compiled steps in eager shapes (the CPU's
+    opt-in compiled blocks) compile variants as shapes come, so they are measured each time:
+    measuring is their warm-up."""
+    kept = engine.calibration if engine.static or not engine.compiled else None
+    stored = kept.read(step_kind(engine)) if kept else None
     t0 = time.perf_counter()
     found = stored[0] if stored else probe(engine.model, engine.width, engine.max_slots) \
         if engine.exact else Invariance.unconstrained()
@@ -120,14 +127,42 @@ def calibrate(engine: Calibrating) -> None:
     t1 = time.perf_counter()
     costs = stored[1] if stored else _measure(engine)
     engine.policy.set_costs(*costs)
-    if engine.calibration and eager and not stored:
-        engine.calibration.write(found, costs)
     t2 = time.perf_counter()
-    if engine.static:  # compile or capture the adaptive step too, before any request
-        engine.generate([1, 2, 3], GenParams(max_new_tokens=8), slot=("ahead", "warm"))
-        engine.clear_cache(("ahead", "warm"))
+    if engine.static and not _warm_up(engine):  # failed: now eager, and measured
+        stored, costs = None, _measure(engine)
+        engine.policy.set_costs(*costs)
+    if kept and not stored:
+        kept.write(step_kind(engine), found, costs)
     # "costs" holds the compiling and capturing of the steps it measures (their warm-up)
     engine.load_seconds |= {"probe": t1 - t0, "costs": t2 - t1, "warm-up": time.perf_counter() - t2}
+
+
+def step_kind(engine: Calibrating) -> str:
+    """How the step runs, for the calibration's entry: its costs depend on it."""
+    return "+".join(name for name, on in (("compiled", engine.compiled),
+                                          ("graphs", engine.graphs),
+                                          ("fixed", engine.static)) if on) or "eager"
+
+
+def _warm_up(engine: Calibrating) -> bool:
+    """Compile or capture the fixed-shape step's greedy kinds (a plain step, drafting
+    steps) before any request; sampled ones compile on their first use. False where the
+    compiled or captured step failed, the engine then running eager steps."""
+    k = max(engine.policy.k_max, 1)  # fixed K: every draft of the chain, without the rule
+    try:
+        for params in (GenParams(max_new_tokens=8), GenParams(max_new_tokens=2 * k + 2, k=k),
+                       GenParams(max_new_tokens=4, speculative=False)):
+            engine.generate([1, 2, 3], params, slot=("ahead", "warm"))
+            engine.clear_cache(("ahead", "warm"))
+        return True
+    except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
+        if not (engine.compiled or engine.graphs):
+            raise
+        log.warning("compiled or captured steps failed (%s: %s); running eager",
+                    type(e).__name__, e)
+        engine.clear_cache(("ahead", "warm"))
+        engine.reshape_step(compiled=False, static=_keeps_shape(engine))
+        return False
 
 
 def _without_exactness(engine: Calibrating, reason: str) -> None:
