@@ -255,6 +255,9 @@ def cmd_bench_draft_vocab(args: argparse.Namespace) -> int:
 
     try:
         sizes = [int(n) for n in args.sizes.split(",")]
+    except ValueError:
+        raise CliError(f"--sizes: whole numbers, comma-separated, not {args.sizes!r}") from None
+    try:
         result = bench_draft_vocab(model_dir(args), [Path(f) for f in args.files], sizes,
                                    chars=args.chars)
     except (ValueError, FileNotFoundError) as e:

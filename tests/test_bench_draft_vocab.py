@@ -48,3 +48,7 @@ def test_bad_input_says_what(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "no source files" in proc.stderr
     proc = run("--files", str(tmp_path), "--sizes", "0,12")
     assert proc.returncode != 0 and "sizes must be positive" in proc.stderr
+    proc = run("--files", str(tmp_path), "--sizes", "16k")
+    assert proc.returncode != 0 and "--sizes: whole numbers" in proc.stderr
+    proc = run("--model", str(tmp_path), "--files", str(tmp_path))  # no tokenizer there
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr

@@ -111,9 +111,10 @@ class Calibrating(Stepper, Protocol):
 
 def calibrate(engine: Calibrating) -> None:
     """See `Engine.calibrate`. Fixed-shape steps (compiled, captured) read from disk are
-    compiled and captured by the warm-up's generations instead of by measuring them (on the
-    H200 a warm `ahead serve` took 17 s to its first suggestion, measuring every K); where
-    that fails they run eager and are measured. Compiled steps in eager shapes (the CPU's
+    compiled and captured by the warm-up's generations instead of by measuring every K (on
+    the H200 the bundled model's cold load spent 30 s compiling, capturing and measuring, and
+    a warm `ahead serve` took 17 s to its first suggestion); where that fails they run eager
+    and are measured. Compiled steps in eager shapes (the CPU's
     opt-in compiled blocks) compile variants as shapes come, so they are measured each time:
     measuring is their warm-up."""
     kept = engine.calibration if engine.static or not engine.compiled else None

@@ -67,8 +67,9 @@ def own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
-    """The functions a step runs; for a compiled eager-shaped step, the model's blocks run
-    compiled (and uncompiled again when `compiled` is False)."""
+    """The functions a step runs: eager, compiled whole, or with compiled blocks (a deep
+    model's fixed-shape step, or a compiled eager-shaped one); the model's block runners are
+    `run_block` again when `compiled` is False."""
     model.block_runner = model.linear_runner = run_block
     if not compiled:
         return EAGER
@@ -86,8 +87,8 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
 
 def with_variants(fn: Callable[..., Any], limit: int, **kw: Any) -> Callable[..., Any]:
     """torch.compile(fn) keeping up to `limit` compiled variants: its own limit where
-    torch.compile takes one (2.12 on), else Dynamo's global one raised to it (the GPU
-    machines' torch 2.11 refused `recompile_limit`)."""
+    torch.compile takes one (2.13, our CPU pin), else Dynamo's global one raised to it (the
+    GPU image's torch 2.11 refused `recompile_limit`)."""
     try:
         return torch.compile(fn, recompile_limit=limit, **kw)  # type: ignore[call-overload]
     except TypeError:
