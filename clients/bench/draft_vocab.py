@@ -10,7 +10,7 @@ sizes, on the files given (a repository's, say), without loading the weights.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -59,30 +59,26 @@ def bench_draft_vocab(model_dir: Path, paths: list[Path], sizes: list[int], *,
     if not files:
         raise ValueError("no source files among the paths given")
     texts: dict[str, list[str]] = defaultdict(list)
-    read: dict[str, int] = defaultdict(int)
     for f in files:
         lang = LANGUAGES.get(f.suffix.lower(), f.suffix.lower() or f.name)
-        if read[lang] >= chars:
-            continue
-        text = f.read_text(encoding="utf-8", errors="replace")[:chars - read[lang]]
-        texts[lang].append(text)
-        read[lang] += len(text)
+        left = chars - sum(map(len, texts[lang]))
+        if left > 0:
+            texts[lang].append(f.read_text(encoding="utf-8", errors="replace")[:left])
     kept = {n: set(ranked_ids(tokenizer, vocab, n, cache)) for n in sizes}
     rows: dict[str, dict[str, Any]] = {}
-    totals: dict[str | int, int] = {"tokens": 0, **{n: 0 for n in sizes}}
+    inside_all: Counter[int] = Counter()
     for lang in sorted(texts):
         ids = [i for ids in tokenizer.encode_batch(texts[lang]) for i in ids]
         inside = {n: sum(i in kept[n] for i in ids) for n in sizes}
+        inside_all.update(inside)
         rows[lang] = {"files": len(texts[lang]), "tokens": len(ids),
                       "coverage": {str(n): round(inside[n] / max(len(ids), 1), 4)
                                    for n in sizes}}
-        totals["tokens"] += len(ids)
-        for n in sizes:
-            totals[n] += inside[n]
-    overall = {str(n): round(totals[n] / max(totals["tokens"], 1), 4) for n in sizes}
+    tokens = sum(row["tokens"] for row in rows.values())
+    overall = {str(n): round(inside_all[n] / max(tokens, 1), 4) for n in sizes}
     return {"model": str(model_dir), "vocab_size": vocab, "sizes": sizes,
             "default_size": SIZE, "reduced": {str(n): vocab > 2 * n for n in sizes},
-            "languages": rows, "overall": {"tokens": totals["tokens"], "coverage": overall}}
+            "languages": rows, "overall": {"tokens": tokens, "coverage": overall}}
 
 
 def format_report(r: dict[str, Any]) -> str:

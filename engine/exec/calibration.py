@@ -159,10 +159,8 @@ def _warm_up(engine: Calibrating) -> bool:
     except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
         if not (engine.compiled or engine.graphs):
             raise
-        log.warning("compiled or captured steps failed (%s: %s); running eager",
-                    type(e).__name__, e)
         engine.clear_cache(("ahead", "warm"))
-        engine.reshape_step(compiled=False, static=_keeps_shape(engine))
+        _run_eager(engine, e)
         return False
 
 
@@ -185,10 +183,15 @@ def _measure(engine: Calibrating) -> tuple[Curves, Curves]:
     except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
         if not (engine.static or engine.compiled):
             raise
-        log.warning("compiled or captured steps failed (%s: %s); running eager",
-                    type(e).__name__, e)
-        engine.reshape_step(compiled=False, static=_keeps_shape(engine))
+        _run_eager(engine, e)
         return measure_costs(engine, vocab, rows, warmup=False)
+
+
+def _run_eager(engine: Calibrating, error: Exception) -> None:
+    """After a compiled or captured step failed: say so, and run eager steps."""
+    log.warning("compiled or captured steps failed (%s: %s); running eager",
+                type(error).__name__, error)
+    engine.reshape_step(compiled=False, static=_keeps_shape(engine))
 
 
 def _keeps_shape(engine: Calibrating) -> bool:
