@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from daemon.backends.local import LocalBackend
 from engine import Engine, ExactnessUnavailable, Generation, GenParams
-from engine.exec.invariance import BY_POSITION, Invariance, probe
+from engine.exec.invariance import BY_POSITION, BY_SIZE, Invariance, probe
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
@@ -164,6 +164,51 @@ def test_the_engine_keeps_the_contract_in_the_probes_shape(random_qwen3: Path,
     assert outputs(engine)[2] != plain
 
 
+def by_rows(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """A product whose rows are their own: each row in a call of one."""
+    return torch.stack([F.linear(r, w, b) for r in x.unbind(1)], 1)
+
+
+def test_the_kernel_sweep_finds_products_whose_rows_change_with_the_calls_size() -> None:
+    """What a model's few positions miss (on an AVX-512 CPU without AVX512-BF16, oneDNN's
+    bf16 products round a row otherwise now and then as the call grows): the sweep runs the
+    forward's products in calls of every size and bounds the window, or finds none."""
+    from engine.exec.invariance import _kernel_width
+
+    gen = torch.Generator().manual_seed(0)
+    linears = {i: (torch.randn(n, 64, generator=gen), None, torch.float32)
+               for i, n in enumerate((96, 64))}
+
+    def nudged(when: Callable[[int], bool]) -> Callable[..., Tensor]:
+        def product(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+            y = by_rows(x, w, b)
+            return y.nextafter(torch.full_like(y, float("inf"))) if when(x.shape[1]) else y
+        return product
+
+    assert _kernel_width(linears, 4, 3, 0, by_rows) == 1
+    assert _kernel_width(linears, 4, 3, 0, nudged(lambda rows: rows == 1)) == 2
+    assert _kernel_width(linears, 4, 3, 0, nudged(lambda rows: rows < 3)) == 3
+    assert _kernel_width(linears, 4, 3, 0, nudged(lambda rows: rows >= 17)) is None  # prefills
+
+
+def test_the_probe_keeps_the_window_the_kernel_sweep_allows(
+        random_qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.exec import invariance
+
+    model = model_with(random_qwen3, None)
+    model.fuse()
+    swept: list[int] = []
+    monkeypatch.setattr(invariance, "_kernel_width",
+                        lambda linears, *a: swept.append(len(linears)) or 3)
+    inv = probe(model, K_MAX + 1, SLOTS)
+    assert swept and swept[0] >= 3  # the fused QKV, output, gate-up, down and head products
+    if inv.exact:  # on a CPU whose model-level rows agree in some shape
+        assert inv.min_width >= 3
+    monkeypatch.setattr(invariance, "_kernel_width", lambda *a: None)
+    inv = probe(model, K_MAX + 1, SLOTS)
+    assert not inv.exact and inv.reason in (BY_SIZE, BY_POSITION)
+
+
 def test_exact_on_a_device_that_cannot_keep_it_is_refused_with_the_reason(
         random_qwen3: Path) -> None:
     with pytest.raises(ExactnessUnavailable, match="rows of one call differ by position"):
@@ -193,7 +238,8 @@ def test_a_second_load_reads_the_calibration_and_other_settings_measure_afresh(
     assert len(entries) == 1 and first.invariance.exact
     # Another invariance and other costs in the entry: a load that reads it takes them.
     stored = json.loads(entries[0].read_text())
-    stored["invariance"] |= {"min_width": 3, "batch_invariant": False}
+    stored["invariance"] |= {"min_width": 3, "batch_invariant": False,  # on any CPU
+                             "exact": True, "reason": None}
     stored["costs"] = {r: [0.5 + k for k in range(4)] for r in stored["costs"]}
     entries[0].write_text(json.dumps(stored))
     second = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=128, k_max=3, slots=2,
@@ -217,7 +263,8 @@ def test_fixed_shape_steps_read_their_own_calibration_and_warm_up_instead_of_mea
     model_dir, cache = tmp_path / "model", tmp_path / "cache" / "quant"
     write_checkpoint(model_dir, "tiny-qwen3", seed=6)
     kw = {"dtype": torch.bfloat16, "max_seq_len": 128, "k_max": 3, "slots": 2,
-          "quant_cache": cache, "fixed_shapes": True}
+          "quant_cache": cache, "fixed_shapes": True,
+          "exact": False}  # a CPU without the promise leaves its fixed shape
     first = Engine.load(model_dir, compile=True, **kw)  # type: ignore[arg-type]
     Engine.load(model_dir, compile=False, **kw)  # type: ignore[arg-type]
     entries = sorted((cache.parent / "calibration").glob("*.json"), key=lambda f: f.stat().st_mtime)

@@ -13,9 +13,15 @@ assume, the engine runs the trunk on a prefix in every slot, then:
   of the call, committing each before the next, in calls of all slots and of one (the
   references);
 
-and compares each row of each window with the reference at its position, bit for bit. Of
-the step shapes in which they all agree it returns the one whose plain step runs the fewest
-rows (the common case: one editor, one slot live), then the one reading the fewest keys:
+and compares each row of each window with the reference at its position, bit for bit. A
+model's few positions can miss what a library does rarely (on an AVX-512 CPU without
+AVX512-BF16, oneDNN's bf16 products round a row otherwise now and then as the call's rows
+change: the tiny test model's windows all agreed, its prefills did not), so on the CPU the
+dense products the forward makes are also run on random rows in calls of every size the engine
+makes (windows, slots, prefill chunks) and compared with one call of all the rows: the
+narrowest call from which they agree bounds the window. Of the step shapes in which all
+agree it returns the one whose plain step runs the fewest rows (the common case: one
+editor, one slot live), then the one reading the fewest keys:
 
 - `key_invariant`: attending over more (masked) keys leaves the bits alone (else every
   forward reads the whole cache);
@@ -33,11 +39,15 @@ where they sit in a call cannot keep the contract in any shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
@@ -45,6 +55,7 @@ from engine.decode.prefill import kv_blocks
 from engine.model.transformer import Transformer
 
 BY_POSITION = "rows of one call differ by position"
+BY_SIZE = "a matmul's rows differ by the call's size"
 BY_RUN = "the same call gives other bits from run to run"
 KEY_ROOM = 512
 
@@ -92,6 +103,8 @@ def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 64,
         rows = CacheBatch(slots[first:first + batch], p, kv_len, per_position=True)
         return model.head(model.trunk(tokens, caches.rope(p), rows, caches.trunk))
 
+    with _Linears() as linears:
+        window(prefix, width_max, max_batch, full)
     results = {(w, b, kv): window(prefix, w, b, kv)
                for w, b in product(range(1, width_max + 1), sorted({1, max_batch}))
                for kv in sorted({kv_blocks(prefix + w, full), full})}
@@ -120,19 +133,73 @@ def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 64,
 
     shapes = {"invariant": (None, lone if torch.equal(lone, padded) else None),
               "alone": (1, lone), "padded": (max_batch, padded)}
-    found = []
+    # the narrowest call in which the products agree (a GPU's steps run one shape)
+    kernels = _kernel_width(linears.seen, width_max, max_batch, seed) \
+        if caches.device.type == "cpu" else 1
+    narrowest = width_max + 1 if kernels is None else kernels
+    found, blocked = [], False
     for (kind, (batch, ref)), bucketed in product(shapes.items(), (True, False)):
         w = next((w for w in range(1, width_max + 1)
                   if ref is not None and agree(w, batch, bucketed, ref)), None)
-        if w is not None:
+        if w is not None and max(w, narrowest) > width_max:
+            blocked = True
+        elif w is not None:
+            w = max(w, narrowest)  # wider windows agree as well: fewer of them to check
             rows = w * (max_batch if kind == "padded" else 1)  # in a lone slot's plain step
             found.append((rows, not bucketed, list(shapes).index(kind),
                           Invariance(w, kind == "invariant", bucketed, alone=kind == "alone")))
     if not found:
-        return _none(width_max, BY_POSITION)
+        return _none(width_max, BY_SIZE if blocked else BY_POSITION)
     # The fewest rows a lone slot's plain step runs (the common case: one editor, one slot
     # live); then bucketed keys; then one call for all slots.
     return min(found, key=lambda f: f[:3])[3]
+
+
+class _Linears(TorchDispatchMode):
+    """The dense products (`F.linear`) a forward makes: one of each kind (weight shape and
+    dtype, input dtype, with or without a bias), with its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[tuple, tuple[Tensor, Tensor | None, torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.linear.default:
+            x, w, *rest = args
+            bias = rest[0] if rest else None
+            self.seen.setdefault((tuple(w.shape), w.dtype, x.dtype, bias is None),
+                                 (w, bias, x.dtype))
+        return func(*args, **(kwargs or {}))
+
+
+KERNEL_ROWS = 64  # the widest prefill call swept (a chunk's calls past it: as wide ones)
+KERNEL_OUT = 8192  # a weight's first outputs swept (a vocabulary's head: a slice of it)
+KERNEL_WORK = 1 << 22  # weight elements a sweep covers at least, by drawing rows again
+
+
+def _kernel_width(linears: dict[tuple, tuple[Tensor, Tensor | None, torch.dtype]],
+                  width_max: int, max_batch: int, seed: int,
+                  matmul: Callable[..., Tensor] = F.linear) -> int | None:
+    """The narrowest call (in rows, at most width_max) from which every product of
+    `linears` gives each row the bits one call of all the rows gives it, in calls of every
+    size a step or a prefill makes, each row at two places in them; None: none."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    sizes = sorted({*range(1, width_max * max_batch + 1), 16, 17, 31, 32, 33, 48, 63,
+                    KERNEL_ROWS})
+    ok = dict.fromkeys(sizes, True)
+    for w, bias, dtype in linears.values():
+        w = w[:KERNEL_OUT]
+        b = None if bias is None else bias[:KERNEL_OUT]
+        # a small weight's rows rarely round otherwise: more of them (the same work)
+        for _ in range(max(1, min(16, KERNEL_WORK // w.numel()))):
+            x = torch.randn(1, KERNEL_ROWS + 5, w.shape[1], generator=gen).to(w.device, dtype)
+            whole = matmul(x, w, b)
+            for m in sizes:
+                ok[m] = ok[m] and all(torch.equal(matmul(x[:, s:s + m], w, b),
+                                                  whole[:, s:s + m]) for s in (0, 5))
+    return next((n for n in range(1, width_max + 1) if all(ok[m] for m in sizes if m >= n)),
+                None)
 
 
 class ExactnessUnavailable(ValueError):
