@@ -105,7 +105,7 @@ class Engine:
                          if self.graphs else None)
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
-        self.drafting = Drafting(self.policy, self.state, self.k_max)
+        self.drafting = Drafting(self.policy, self.state, self.k_max, self.early_exit)
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
         self.model_dir: Path | None = None  # where it was loaded from, if from files
         self.forced = ForcedStarts(tokenizer, model.cfg.vocab_size, self.device)  # healing
@@ -389,6 +389,7 @@ class Engine:
     def reshape_step(self, *, compiled: bool, static: bool) -> None:
         """Run the step otherwise after a fallback at load (graphs only in a fixed shape)."""
         self.compiled, self.static, self.early_exit = compiled, static, not static
+        self.drafting.early_exit = self.early_exit
         self.graphs = self.graphs and static
         self._graphed = self._graphed if self.graphs else None
         self.fns = step_fns(self.model, compiled, static)

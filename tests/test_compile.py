@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -186,6 +187,30 @@ class HostSyncs(TorchDispatchMode):
         if name in self.SYNCS or name == "aten::lift_fresh":
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def test_an_adaptive_row_in_a_fixed_shape_verifies_every_draft_it_made(
+        trained_dir: Path) -> None:
+    """A fixed-shape step makes every draft it is given room for (no early exit): an adaptive
+    row there drafts the policy's K and the next step verifies all of them. They used to
+    make k_max drafts and cut them by the chain rule, every step costing a K=k_max one (on
+    the H200: adaptive K below plain decoding on Qwen2-1.5B's shapes)."""
+    engine = load_exact(trained_dir, max_seq_len=256, compile=False, fixed_shapes=True)
+    assert engine.static and not engine.early_exit
+    engine.policy.set_costs([1.0 + k for k in range(engine.k_max + 1)])  # a draft: a step
+    made: list[int] = []
+    run = engine._run
+
+    def counted(index: list[int], shape: Any) -> torch.Tensor:
+        made.append(shape.drafts)
+        return run(index, shape)
+
+    engine._run = counted  # type: ignore[method-assign]
+    gen = engine.start(list(CHAIN_VOCAB[:40]), GenParams(40, drafts="mtp", stop_loops=False))
+    verified = [step.k for step in gen][1:]  # the prefill's step verifies nothing
+    assert len(made) == len(verified) >= 5
+    assert made[:-1] == verified[1:]  # the last step's drafts: the generation had ended
+    assert 0 < max(made) < engine.k_max
 
 
 @pytest.fixture(params=["tiny-qwen3", "tiny-qwen3.5", "tiny-gemma4"])

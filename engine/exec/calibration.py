@@ -146,12 +146,14 @@ def step_kind(engine: Calibrating) -> str:
 
 
 def _warm_up(engine: Calibrating) -> bool:
-    """Compile or capture the fixed-shape step's greedy kinds (a plain step, drafting
-    steps) before any request; sampled ones compile on their first use. False where the
-    compiled or captured step failed, the engine then running eager steps."""
-    k = max(engine.policy.k_max, 1)  # fixed K: every draft of the chain, without the rule
+    """Compile or capture the fixed-shape step's greedy kinds (a plain step, a step of each
+    K: adaptive rows take the policy's K there) before any request; sampled ones compile on
+    their first use. False where the compiled or captured step failed, the engine then
+    running eager steps."""
+    ks = range(max(engine.policy.k_max, 1), 0, -1)  # K drafts after the prefill, then a step
     try:
-        for params in (GenParams(max_new_tokens=8), GenParams(max_new_tokens=2 * k + 2, k=k),
+        for params in (GenParams(max_new_tokens=8),
+                       *(GenParams(max_new_tokens=2 * k + 2, k=k) for k in ks),
                        GenParams(max_new_tokens=4, speculative=False)):
             engine.generate([1, 2, 3], params, slot=("ahead", "warm"))
             engine.clear_cache(("ahead", "warm"))
