@@ -43,7 +43,10 @@ def test_generate_streams_a_completion_through_the_daemon(trained_dir: Path,
     here = ahead("generate", "--model", str(trained_dir), "def add(a, b):", "--max-tokens", "12",
                  "--no-daemon", "--raw")
     assert here.stdout == proc.stdout
-    assert ahead("status").returncode == 0
+    status = ahead("status", "--json")
+    assert status.returncode == 0
+    load = json.loads(status.stdout)["load_s"]  # where the daemon's start went, imports first
+    assert list(load)[:2] == ["imports", "weights"] and load["imports"] > 0
     stopped = ahead("stop")
     assert stopped.returncode == 0 and not stopped.stderr, stopped.stderr
     assert ahead("status").returncode == 3  # gone by the time `stop` returned

@@ -93,6 +93,22 @@ def test_synthetic_acceptance_reaches_steps_captured_before_it(graphed: Engine) 
     assert graphed.generate(prompt, params, slot="synth").tokens == own.tokens
 
 
+def test_the_bench_captures_every_step_before_it_times(graphed: Engine) -> None:
+    """With synthetic acceptance, `bench engine` captures each step shape before its timed
+    runs, not in them (on the H200 they did: adaptive K on Qwen2-1.5B's shapes ran at half
+    plain decoding's speed). Graphs captured, read as the bench says what it does next."""
+    from clients.bench.steps import bench_steps
+
+    seen: dict[str, int] = {}
+    try:
+        bench_steps(graphed, context=64, new_tokens=24, ks=[1, 3], rounds=1,
+                    synthetic=[0.9, 0.8, 0.7],
+                    progress=lambda msg: seen.setdefault(msg.split()[0], graphed.captured))
+    finally:
+        graphed.state.synthetic = None
+    assert seen["compiling"] < seen["plain"] == seen["kernels"]
+
+
 def test_graphs_off_still_decodes_exactly(model_dir: Path) -> None:
     engine = load(model_dir, graphs=False, compile=False)
     for prompt in code_prompts(engine, 2):

@@ -65,8 +65,8 @@ part qwen3.5-2b 120 $AHEAD bench engine --preset qwen3.5-2b --device cuda --dtyp
     --synthetic-acceptance 0.9,0.8,0.7 --json "$JSON/qwen35.json"
 part profile 70 python3 tests/gpu/profile_step.py --preset qwen2-1.5b
 part engine 80 $AHEAD bench engine --device cuda --dtype bf16 --num-prompts 12 --json "$JSON/engine.json"
-part serve-cold 60 bash -c "first cold"
-part serve-warm 40 bash -c "first warm"
+part serve-cold 150 bash -c "first cold"
+part serve-warm 90 bash -c "first warm"
 part engine-slots3 100 $AHEAD bench engine --device cuda --dtype bf16 --num-prompts 12 --slots 3 --json "$JSON/slots3.json"
 part lsp 40 $AHEAD bench lsp --json "$JSON/lsp.json"
 part pipeline 45 $AHEAD bench pipeline --json "$JSON/pipeline.json"
@@ -79,6 +79,7 @@ part qwen2-1.5b-eager 60 $AHEAD bench engine --preset qwen2-1.5b --device cuda -
 part qwen3.5-2b-eager 120 $AHEAD bench engine --preset qwen3.5-2b --device cuda --dtype bf16 \
     --compile off --synthetic-acceptance 0.9,0.8,0.7 --json "$JSON/qwen35-eager.json"
 $AHEAD stop
+cp "$XDG_STATE_HOME"/ahead/daemon.log "$JSON/" 2>/dev/null  # where the daemon's time went
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"
 } 2>&1 | tee "$JSON/log.txt"
