@@ -7,7 +7,11 @@
 # 1 and 3 slots), the real-shape presets' steps, the language server and the pipeline on CUDA,
 # and `ahead serve` to the first suggestion with a cold and a warm compile cache.
 # Each part has its own time limit, so one that hangs does not cost the rest; the summary at
-# the end says which passed. Wheels in .whl/ (what the machine lacks) are installed first.
+# the end says which passed. Wheels in .whl/ (what the machine lacks) are installed first;
+# for the GPU image's Python 3.12 they come from (then `carry` .whl with the device tool):
+#   pip download -d .whl --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+#     --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#     msgspec pygls lsprotocol cattrs watchfiles pytest-asyncio pytest-lsp
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
