@@ -103,13 +103,12 @@ def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 64,
         rows = CacheBatch(slots[first:first + batch], p, kv_len, per_position=True)
         return model.head(model.trunk(tokens, caches.rope(p), rows, caches.trunk))
 
-    with _Linears() as linears:
-        window(prefix, width_max, max_batch, full)
     results = {(w, b, kv): window(prefix, w, b, kv)
                for w, b in product(range(1, width_max + 1), sorted({1, max_batch}))
                for kv in sorted({kv_blocks(prefix + w, full), full})}
-    if not torch.equal(window(prefix, width_max, max_batch, full),
-                       results[(width_max, max_batch, full)]):
+    with _Linears() as linears:  # the run again, noting its dense products
+        again = window(prefix, width_max, max_batch, full)
+    if not torch.equal(again, results[(width_max, max_batch, full)]):
         return _none(width_max, BY_RUN)
 
     def plain(batch: int, first: int) -> Tensor:
@@ -141,13 +140,15 @@ def probe(model: Transformer, width_max: int, max_batch: int, prefix: int = 64,
     for (kind, (batch, ref)), bucketed in product(shapes.items(), (True, False)):
         w = next((w for w in range(1, width_max + 1)
                   if ref is not None and agree(w, batch, bucketed, ref)), None)
-        if w is not None and max(w, narrowest) > width_max:
+        if w is None:
+            continue
+        w = max(w, narrowest)  # wider windows agree as well: fewer of them to check
+        if w > width_max:
             blocked = True
-        elif w is not None:
-            w = max(w, narrowest)  # wider windows agree as well: fewer of them to check
-            rows = w * (max_batch if kind == "padded" else 1)  # in a lone slot's plain step
-            found.append((rows, not bucketed, list(shapes).index(kind),
-                          Invariance(w, kind == "invariant", bucketed, alone=kind == "alone")))
+            continue
+        rows = w * (max_batch if kind == "padded" else 1)  # in a lone slot's plain step
+        found.append((rows, not bucketed, list(shapes).index(kind),
+                      Invariance(w, kind == "invariant", bucketed, alone=kind == "alone")))
     if not found:
         return _none(width_max, BY_SIZE if blocked else BY_POSITION)
     # The fewest rows a lone slot's plain step runs (the common case: one editor, one slot
