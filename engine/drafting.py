@@ -21,12 +21,8 @@ Plan = tuple[int, int, bool]  # drafts at most, the chain's floor, whether the r
 
 
 class Drafting:
-    def __init__(self, policy: KPolicy, state: DecodeState, k_max: int,
-                 early_exit: bool = True) -> None:
+    def __init__(self, policy: KPolicy, state: DecodeState, k_max: int) -> None:
         self.policy, self.state, self.k_max = policy, state, k_max
-        # Whether the chain ends once no row goes on (eager steps): else every draft a step
-        # asks for is made, and a row's drafts the rule cut would have cost their share.
-        self.early_exit = early_exit
         self._indexes: dict[int, ContextIndex] = {}  # per slot (see decode/context.py)
         # Since load, per source: steps that verified its drafts, drafts, drafts kept.
         self.totals: dict[str, list[int]] = {}
@@ -36,9 +32,10 @@ class Drafting:
         and the context's room."""
         return max(0, min(self.k_max, g.tokens_left() - 1, slot.room() - 2))
 
-    def plan(self, g: Generation, slot: Slot, rows: int) -> Plan:
+    def plan(self, g: Generation, slot: Slot, rows: int, early_exit: bool) -> Plan:
         """The modules' plan for the row's next step: drafts at most, the floor the chain rule
-        cannot cut, and whether it applies (adaptive K)."""
+        cannot cut, and whether it applies (adaptive K). `early_exit`: whether the chain ends
+        once no row goes on (eager steps); else every draft the step asks for is made."""
         if not g.use_mtp:
             return 0, 0, False
         fixed, policy = g.params.k, self.policy
@@ -53,11 +50,11 @@ class Drafting:
             # holds: there the policy's K is the step's, and a chain cut before it would only
             # drop drafts already paid for (tiny-qwen2 on the CPU, compiled: every adaptive
             # step cost a K=8 one, 14.6 ms against 8.4 for K=3).
-            k = (self.k_max if self.early_exit else chosen) if chosen else 0
+            k = (self.k_max if early_exit else chosen) if chosen else 0
         else:
             k = fixed
         k = min(k, self.limit(g, slot))
-        if fixed is not None or not k or not self.early_exit:
+        if fixed is not None or not k or not early_exit:
             return k, k, False
         return k, chosen if policy.probing else 1, True
 

@@ -105,7 +105,7 @@ class Engine:
                          if self.graphs else None)
         # A nominal cost model (a draft costs a fifth of a verify) until calibrate() measures.
         self.policy = KPolicy(self.k_max, [1.0 + 0.2 * k for k in range(self.k_max + 1)])
-        self.drafting = Drafting(self.policy, self.state, self.k_max, self.early_exit)
+        self.drafting = Drafting(self.policy, self.state, self.k_max)
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(model.cfg.eos_token_ids)
         self.model_dir: Path | None = None  # where it was loaded from, if from files
         self.forced = ForcedStarts(tokenizer, model.cfg.vocab_size, self.device)  # healing
@@ -273,7 +273,8 @@ class Engine:
         return reused
 
     def _first_drafts(self, gens: list[Generation], slots: list[Slot], rows: int) -> None:
-        plans = [self.drafting.plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
+        plans = [self.drafting.plan(g, s, rows, self.early_exit)
+                 for g, s in zip(gens, slots, strict=True)]
         k = max(p[0] for p in plans)
         if not k:
             return
@@ -300,7 +301,8 @@ class Engine:
         slots = [self.slots.get(g.slot) for g in gens]
         index = [s.index for s in slots]
         rows = self.step_rows(len(gens))
-        plans = [self.drafting.plan(g, s, rows) for g, s in zip(gens, slots, strict=True)]
+        plans = [self.drafting.plan(g, s, rows, self.early_exit)
+                 for g, s in zip(gens, slots, strict=True)]
         k = max(p[0] for p in plans)
         if k and self.model.num_mtp:  # modules behind (steps without drafts) catch up first
             for g, s in zip(gens, slots, strict=True):
@@ -389,7 +391,6 @@ class Engine:
     def reshape_step(self, *, compiled: bool, static: bool) -> None:
         """Run the step otherwise after a fallback at load (graphs only in a fixed shape)."""
         self.compiled, self.static, self.early_exit = compiled, static, not static
-        self.drafting.early_exit = self.early_exit
         self.graphs = self.graphs and static
         self._graphed = self._graphed if self.graphs else None
         self.fns = step_fns(self.model, compiled, static)
