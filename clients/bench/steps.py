@@ -21,6 +21,7 @@ import torch
 from clients.bench.engine import load_line
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
+from engine.exec.calibration import warm_up
 from engine.model.assistant import Assistant
 from engine.model.presets import ASSISTANTS, PRESETS
 from engine.model.quant import describe, packed_weights
@@ -75,14 +76,17 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     if synthetic is not None:
         rates = [*synthetic, *[0.0] * engine.k_max][:max(engine.k_max, 1)]
         engine.state.synthetic = torch.tensor(rates, device=engine.device)
-    ks = bench_ks(ks, engine.k_max)
     if synthetic is not None and (engine.compiled or engine.graphs):
+        # A captured step is keyed by the rates and a compiled one guards on them: else the
+        # timed runs would compile or capture each shape (on the H200, Qwen2-1.5B's shapes:
+        # K=8 at 225 tokens/s from a 5.35 ms step, which at these rates makes 3.1 tokens).
         say("compiling and capturing the steps again: they now keep drafts at the rates given")
-        _warm_shapes(engine, ks)
+        warm_up(engine)
     vocab = engine.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     context = min(context, engine.prompt_budget(new_tokens))
     prompts = [torch.randint(vocab, (context,), generator=gen).tolist() for _ in range(slots)]
+    ks = bench_ks(ks, engine.k_max)
     out: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "slots": slots,
                            "exact": engine.exactness, "quant": describe(engine.model),
                            "load_s": engine.load_seconds}
@@ -214,19 +218,6 @@ def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
             engine.step([gen])  # ends with the host reading the step's result: synchronised
             times[mode].append(time.perf_counter() - t0)
     return {m: ([] if m[0] == "verify" else gens[m].tokens, times[m]) for m in modes}
-
-
-def _warm_shapes(engine: Engine, ks: list[int]) -> None:
-    """Each step shape once, untimed, on a short prompt: plain decoding, every K adaptive K
-    may pick and each verify-only K. A captured step is keyed by the synthetic rates and a
-    compiled one guards on them: without this, the first step of each shape in the timed
-    runs would compile or capture it (on the H200, Qwen2-1.5B's shapes: K=8 at 225 tokens/s
-    from a 5.35 ms step, which at these rates makes 3.1 tokens)."""
-    modes = [("plain", 0), *(("k", k) for k in range(1, engine.k_max + 1)),
-             *(("verify", k) for k in ks)]
-    prompt = list(range(16))
-    for mode in modes:
-        _stepped(engine, prompt, [mode], engine.k_max + 3)
 
 
 def _params(new_tokens: int, **kw: Any) -> GenParams:

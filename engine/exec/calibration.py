@@ -129,7 +129,7 @@ def calibrate(engine: Calibrating) -> None:
     costs = stored[1] if stored else _measure(engine)
     engine.policy.set_costs(*costs)
     t2 = time.perf_counter()
-    if engine.static and not _warm_up(engine):  # failed: now eager, and measured
+    if engine.static and not warm_up(engine):  # failed: now eager, and measured
         stored, costs = None, _measure(engine)
         engine.policy.set_costs(*costs)
     if kept and not stored:
@@ -145,11 +145,11 @@ def step_kind(engine: Calibrating) -> str:
                                           ("fixed", engine.static)) if on) or "eager"
 
 
-def _warm_up(engine: Calibrating) -> bool:
+def warm_up(engine: Calibrating) -> bool:
     """Compile or capture the fixed-shape step's greedy kinds (a plain step, a step of each
-    K: adaptive rows take the policy's K there) before any request; sampled ones compile on
-    their first use. False where the compiled or captured step failed, the engine then
-    running eager steps."""
+    K: adaptive rows take the policy's K there; a verify of given drafts is a plain step's
+    shape) before any request; sampled ones compile on their first use. False where the
+    compiled or captured step failed, the engine then running eager steps."""
     ks = range(max(engine.policy.k_max, 1), 0, -1)  # K drafts after the prefill, then a step
     try:
         for params in (GenParams(max_new_tokens=8),
