@@ -22,6 +22,7 @@ from clients.bench.engine import load_line
 from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
 from engine.exec.calibration import warm_up
+from engine.generation import Generation
 from engine.model.assistant import Assistant
 from engine.model.presets import ASSISTANTS, PRESETS
 from engine.model.quant import describe, packed_weights
@@ -138,9 +139,10 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                             for (kind, k), ts in by_round.items()}
     out["draft_share_by_k"] = {k: ms / out["ar_step_ms"]
                                for k, ms in out["draft_ms_by_k"].items()}
-    tokens, adaptive = _timed(engine, prompts[0], _params(new_tokens))
-    identical &= tokens == plain
-    out["adaptive_tokens_per_s"] = (len(tokens) - 1) / sum(adaptive)
+    run, adaptive = _timed(engine, prompts[0], _params(new_tokens))
+    identical &= run.tokens == plain
+    out["adaptive_tokens_per_s"] = (len(run.tokens) - 1) / sum(adaptive)
+    out["adaptive_k_histogram"] = {str(k): n for k, n in sorted(run.stats.k_hist.items())}
     if slots > 1:
         say(f"{slots} slots batched")
         out |= _batched(engine, prompts, new_tokens)
@@ -235,8 +237,8 @@ def _prefill_s(engine: Engine, prompt: list[int]) -> float:
     return time.perf_counter() - t0
 
 
-def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[list[int], list[float]]:
-    """A generation's tokens and the seconds of each step after its prefill."""
+def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[Generation, list[float]]:
+    """A generation, run to its end, and the seconds of each step after its prefill."""
     engine.clear_cache("bench")
     gen = engine.start(prompt, params, slot="bench")
     engine.step([gen])
@@ -245,7 +247,7 @@ def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[list[i
         t0 = time.perf_counter()
         engine.step([gen])  # ends with the host reading the step's result: synchronised
         times.append(time.perf_counter() - t0)
-    return gen.tokens, times
+    return gen, times
 
 
 def _batched(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -328,6 +330,8 @@ def format_report(r: dict[str, Any]) -> str:
     verify = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["verify_ms_by_k"].items())
     per_draft = " ".join(f"K={k}:{ms:.2f}" for k, ms in r["draft_ms_by_k"].items())
     share = " ".join(f"K={k}:{x:.2f}" for k, x in r["draft_share_by_k"].items())
+    hist = r.get("adaptive_k_histogram")  # absent from results saved before it was kept
+    adaptive_ks = f" (K:steps {' '.join(f'{k}:{n}' for k, n in hist.items())})" if hist else ""
     lines = [
         f"{r.get('preset', 'model')} on {r.get('device')} {r.get('dtype')} (quant "
         f"{r.get('quant', 'none')}): context "
@@ -341,7 +345,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"draft ms per token by K (step - verify-only) / K: {per_draft} "
         f"(share of a plain step: {share})",
         f"tokens/s by K: {rate_k}",
-        f"adaptive K: {r['adaptive_tokens_per_s']:.1f} tokens/s",
+        f"adaptive K: {r['adaptive_tokens_per_s']:.1f} tokens/s{adaptive_ks}",
         f"{unit} per plain step: {r['launches_per_ar_step']:.0f}",
         f"weights {r['weight_mb']:.0f} MB per step / step time = "
         f"{r['weight_bandwidth_share'] * 100:.0f}% of the copy bandwidth "

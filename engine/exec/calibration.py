@@ -152,11 +152,12 @@ def warm_up(engine: Calibrating) -> bool:
     compiled or captured step failed, the engine then running eager steps."""
     ks = range(max(engine.policy.k_max, 1), 0, -1)  # K drafts after the prefill, then a step
     try:
-        for params in (GenParams(max_new_tokens=8),
-                       *(GenParams(max_new_tokens=2 * k + 2, k=k) for k in ks),
-                       GenParams(max_new_tokens=4, speculative=False)):
-            engine.generate([1, 2, 3], params, slot=("ahead", "warm"))
-            engine.clear_cache(("ahead", "warm"))
+        with engine.policy.aside():  # what these steps accept and cost is not serving's
+            for params in (GenParams(max_new_tokens=8),
+                           *(GenParams(max_new_tokens=2 * k + 2, k=k) for k in ks),
+                           GenParams(max_new_tokens=4, speculative=False)):
+                engine.generate([1, 2, 3], params, slot=("ahead", "warm"))
+                engine.clear_cache(("ahead", "warm"))
         return True
     except Exception as e:  # a compiler or capture failure (toolchain, unsupported op)
         if not (engine.compiled or engine.graphs):
