@@ -6,9 +6,10 @@ llama.cpp's Q8_0 does per 32), and each group's products summed in int32 by VPDP
 with w = q s + m and a = qa sa, sum_k w a = sa (s sum q qa + m sum qa).
 
 Why not torch's weight-only kernels: they run one row at a time and reread the weights for
-every row. Here the weights stream once per call, a tile of 16 outputs at a time, and every
-row of the call is multiplied by the tile while it is in registers: on a memory-bound
-machine a call of a few rows (a speculative verify) costs about what one row costs.
+every row. Here the weights stream once per call, a tile of 16 outputs at a time (int4: two
+tiles at a time, `pair_rows`), and every row of the call is multiplied by the tile while it
+is in registers: on a memory-bound machine a call of a few rows (a speculative verify) costs
+about what one row costs.
 
 A row's result depends on that row alone: its int8 codes and scales come from its own
 values, int32 sums are exact in any order, and the float sums over groups run in the same
@@ -33,6 +34,7 @@ group of G inputs), tiles outer:
 typedef int32_t __attribute__((may_alias)) quad; /* 4 activation codes */
 
 #define MAX_ROWS 8
+#define PAIR_ROWS 4 /* rows of a pair of int4 tiles at a time: their accumulators fill the registers */
 /* Prefetch distances in bytes ahead of the tile being multiplied: into L1 (the hardware
    prefetcher alone left one thread at 9.7 GB/s on Qwen2-1.5B's int4 weights where a copy
    reads 12.8) and, further on, into L2, so that memory keeps streaming while a call of
@@ -133,9 +135,80 @@ static inline __attribute__((always_inline)) void tile_rows(
         store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[r], b), mask, bf16);
 }
 
+/* Two tiles of int4 weights (32 outputs) for `mr` rows (up to 4): each row's activation
+   quads are broadcast into a register once and serve both tiles, and one accumulator a tile
+   and row takes the low and the high nibbles (two tiles give the independent chains that
+   two accumulators gave one tile). On the 2-core Xeon (Cascade Lake) one thread ran
+   Qwen2-1.5B's MLP and attention products 7-10% faster for 1, 2 and 4 rows than by single
+   tiles with broadcasts in the instructions' operands (interleaved, medians of 25), bits
+   unchanged: the same int32 sums, and the float sums over groups in the same order. */
+static inline __attribute__((always_inline)) void pair_rows(
+        const uint8_t *w, int64_t K, int64_t G, const int8_t *qa, const float *sa,
+        const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
+        int64_t N, int64_t t) {
+    const int64_t ng = K / G, block = G * TILE / 2 + 4 * TILE;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 facc[2][PAIR_ROWS];
+    for (int r = 0; r < mr; r++) facc[0][r] = facc[1][r] = _mm512_setzero_ps();
+    const uint8_t *p[2] = {w + t * ng * block, w + (t + 1) * ng * block};
+    for (int64_t g = 0; g < ng; g++, p[0] += block, p[1] += block) {
+        __m512i acc[2][PAIR_ROWS];
+        for (int r = 0; r < mr; r++) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
+        const int8_t *a0 = qa + r0 * K + g * G;
+        for (int64_t j = 0; j < G / 8; j++) {
+            __m512i lo[2], hi[2];
+            for (int u = 0; u < 2; u++) {
+                _mm_prefetch((const char *)p[u] + 64 * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p[u] + 64 * j + PREFETCH_L2, _MM_HINT_T1);
+                const __m512i v = _mm512_loadu_si512(p[u] + 64 * j);
+                lo[u] = _mm512_and_si512(v, low);
+                hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < mr; r++) {
+                const quad *a = (const quad *)(a0 + r * K + 8 * j);
+                const __m512i b1 = _mm512_set1_epi32(a[0]), b2 = _mm512_set1_epi32(a[1]);
+                for (int u = 0; u < 2; u++) {
+                    acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], lo[u], b1);
+                    acc[u][r] = _mm512_dpbusd_epi32(acc[u][r], hi[u], b2);
+                }
+            }
+        }
+        for (int u = 0; u < 2; u++) {
+            const uint8_t *sm = p[u] + G * TILE / 2;
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sm));
+            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + 32)));
+            for (int r = 0; r < mr; r++) {
+                const int64_t i = (r0 + r) * ng + g;
+                facc[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]),
+                                             _mm512_mul_ps(s, _mm512_set1_ps(sa[i])), facc[u][r]);
+                facc[u][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ssum[i]), facc[u][r]);
+            }
+        }
+    }
+    for (int u = 0; u < 2; u++) {
+        const int64_t n0 = (t + u) * TILE;
+        const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        for (int r = 0; r < mr; r++)
+            store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[u][r], b), mask, bf16);
+    }
+}
+
+/* Tile t (int4: tiles t and t + 1 where `pair`) for all M rows. */
 static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa,
                  const float *sa, const float *ssum, int64_t M, const float *bias, void *y,
-                 int bf16, int64_t N, int64_t t) {
+                 int bf16, int64_t N, int64_t t, int pair) {
+    if (pair) {
+        for (int64_t r0 = 0; r0 < M; r0 += PAIR_ROWS) {
+            const int64_t left = M - r0;
+            switch (left >= PAIR_ROWS ? PAIR_ROWS : left) {
+#define ROWS(n) case n: pair_rows(w, K, G, qa, sa, ssum, r0, n, bias, y, bf16, N, t); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#undef ROWS
+            }
+        }
+        return;
+    }
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
         const int64_t left = M - r0;
         switch (left >= MAX_ROWS ? MAX_ROWS : left) {
@@ -160,8 +233,10 @@ int wq_linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G, const
     float *ssum = sa + M * (K / G);
     for (int64_t r = 0; r < M; r++) quantize_row(x, bf16, r, K, G, qa, sa, ssum);
     const int64_t tiles = (N + TILE - 1) / TILE;
+    const int64_t step = bits == 4 ? 2 : 1;  /* int4: tiles by pairs (an odd last one alone) */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) tile(w, bits, K, G, qa, sa, ssum, M, bias, y, bf16, N, t);
+    for (int64_t t = 0; t < tiles; t += step)
+        tile(w, bits, K, G, qa, sa, ssum, M, bias, y, bf16, N, t, step == 2 && t + 1 < tiles);
     free(qa);
     free(sa);
     return 0;
