@@ -77,12 +77,13 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     if synthetic is not None:
         rates = [*synthetic, *[0.0] * engine.k_max][:max(engine.k_max, 1)]
         engine.state.synthetic = torch.tensor(rates, device=engine.device)
-    if synthetic is not None and (engine.compiled or engine.graphs):
-        # A captured step is keyed by the rates and a compiled one guards on them: else the
-        # timed runs would compile or capture each shape (on the H200, Qwen2-1.5B's shapes:
-        # K=8 at 225 tokens/s from a 5.35 ms step, which at these rates makes 3.1 tokens).
-        say("compiling and capturing the steps again: they now keep drafts at the rates given")
-        warm_up(engine)
+        if engine.compiled or engine.graphs:
+            # A captured step is keyed by the rates and a compiled one guards on them: else
+            # the timed runs would compile or capture each shape (on the H200, Qwen2-1.5B's
+            # shapes: K=8 at 225 tokens/s from a 5.35 ms step, at these rates 3.1 tokens).
+            say("compiling and capturing the steps again: they now keep drafts at the rates "
+                "given")
+            warm_up(engine)
     vocab = engine.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     context = min(context, engine.prompt_budget(new_tokens))

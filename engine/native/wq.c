@@ -76,6 +76,32 @@ static void quantize_row(const void *x, int bf16, int64_t r, int64_t K, int64_t 
     }
 }
 
+/* A group's int32 sums of rows r0 .. r0 + mr - 1 into their float accumulators, by the
+   block's fp16 scales s and offsets m at sm: facc += sum (s sa) + m ssum. i0: the group's
+   index for row r0 into sa and ssum. */
+static inline __attribute__((always_inline)) void fold_group(
+        __m512 *facc, const __m512i *sum, const int mr, const uint8_t *sm, const float *sa,
+        const float *ssum, int64_t i0, int64_t ng) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sm));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + 32)));
+    for (int r = 0; r < mr; r++) {
+        const int64_t i = i0 + r * ng;
+        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]),
+                                  _mm512_mul_ps(s, _mm512_set1_ps(sa[i])), facc[r]);
+        facc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ssum[i]), facc[r]);
+    }
+}
+
+/* Rows r0 .. r0 + mr - 1 of the tile of outputs from n0: facc + bias, into y. */
+static inline __attribute__((always_inline)) void store_tile(
+        void *y, const __m512 *facc, const int mr, int64_t r0, int64_t N, int64_t n0,
+        const float *bias, int bf16) {
+    const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++)
+        store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[r], b), mask, bf16);
+}
+
 /* One tile of 16 outputs for `mr` rows (a constant in each inlined copy). */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
@@ -118,21 +144,10 @@ static inline __attribute__((always_inline)) void tile_rows(
                 }
             }
         }
-        const uint8_t *sm = p + G * TILE * bits / 8;
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sm));
-        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + 32)));
-        for (int r = 0; r < mr; r++) {
-            const int64_t i = (r0 + r) * ng + g;
-            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[r], acc2[r])),
-                                      _mm512_mul_ps(s, _mm512_set1_ps(sa[i])), facc[r]);
-            facc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ssum[i]), facc[r]);
-        }
+        for (int r = 0; r < mr; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);
+        fold_group(facc, acc, mr, p + G * TILE * bits / 8, sa, ssum, r0 * ng + g, ng);
     }
-    const int64_t n0 = t * TILE;
-    const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
-    __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < mr; r++)
-        store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[r], b), mask, bf16);
+    store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16);
 }
 
 /* Two tiles of int4 weights (32 outputs) for `mr` rows (up to 4): each row's activation
@@ -173,25 +188,10 @@ static inline __attribute__((always_inline)) void pair_rows(
                 }
             }
         }
-        for (int u = 0; u < 2; u++) {
-            const uint8_t *sm = p[u] + G * TILE / 2;
-            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sm));
-            __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + 32)));
-            for (int r = 0; r < mr; r++) {
-                const int64_t i = (r0 + r) * ng + g;
-                facc[u][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[u][r]),
-                                             _mm512_mul_ps(s, _mm512_set1_ps(sa[i])), facc[u][r]);
-                facc[u][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ssum[i]), facc[u][r]);
-            }
-        }
+        for (int u = 0; u < 2; u++)
+            fold_group(facc[u], acc[u], mr, p[u] + G * TILE / 2, sa, ssum, r0 * ng + g, ng);
     }
-    for (int u = 0; u < 2; u++) {
-        const int64_t n0 = (t + u) * TILE;
-        const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
-        __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-        for (int r = 0; r < mr; r++)
-            store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[u][r], b), mask, bf16);
-    }
+    for (int u = 0; u < 2; u++) store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16);
 }
 
 /* Tile t (int4: tiles t and t + 1 where `pair`) for all M rows. */
