@@ -25,9 +25,8 @@ gives the bits a cache as long as the context gives.
 #include "vecmath.h"
 
 /* Query rows a tile: every query head of a kv head (grouped-query attention) and as many
-   positions as fit, so that each key and value is loaded and converted once for all of
-   them; each row's dot product and each of its 16 output lanes keeps one accumulator in a
-   register. */
+   positions as fit, so that each key is converted once for all of them and each value once
+   for up to six (score_block, value_block). */
 #define MAX_TILE 16
 
 /* Lane u: the sum of a[u]'s 16 lanes, in _mm512_reduce_add_ps's order (halves, quarters,
@@ -86,19 +85,102 @@ __attribute__((target("avx512bf16"))) static void scores_bf16(
     }
 }
 
+/* Scores of RB query rows from r0 (q: rows of D floats, already times the scale) against
+   the 16 keys from t0 in kbuf (fp32, converted once for every row of the tile), 16 / RB keys
+   at a time: the RB x 16 / RB dot products accumulate side by side, each loaded query or key
+   serving several of them (one FMA a load held a key at a time to one FMA a cycle here, on
+   a CPU whose FMA takes two). Each dot product still accumulates in lanes d mod 16 over D in
+   order and is summed across them by sum16, in _mm512_reduce_add_ps's order: the bits of a
+   key at a time. Row r's score of key lo[r] + i goes to scores[r * stride + i]. */
+static inline __attribute__((always_inline)) void score_block(
+        const float *q, int64_t D, int r0, const int RB, const float *kbuf, int64_t t0,
+        int64_t nk, const int64_t *lo, const int64_t *n, float *scores, int64_t stride) {
+    const int UB = 16 / RB;
+    for (int u0 = 0; u0 < nk; u0 += UB) {
+        __m512 acc[16];
+        for (int a = 0; a < 16; a++) acc[a] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < D; j += 16) {
+            __m512 kv[16];
+            for (int u = 0; u < UB; u++) kv[u] = _mm512_loadu_ps(kbuf + (u0 + u) * D + j);
+            for (int i = 0; i < RB; i++) {
+                const __m512 qv = _mm512_loadu_ps(q + (r0 + i) * D + j);
+                for (int u = 0; u < UB; u++)
+                    acc[i * UB + u] = _mm512_fmadd_ps(qv, kv[u], acc[i * UB + u]);
+            }
+        }
+        const __m512 sums = sum16(acc);  /* lane i * UB + u: row r0 + i, key t0 + u0 + u */
+        for (int i = 0; i < RB; i++) {
+            const int r = r0 + i;
+            const int64_t t = t0 + u0;  /* keys t .. t + UB - 1 of which lo[r]..n[r]-1 */
+            const int64_t a = lo[r] > t ? lo[r] - t : 0;
+            int64_t b = n[r] - t < UB ? n[r] - t : UB;
+            b = b < nk - u0 ? b : nk - u0;
+            if (a >= b) continue;
+            const __mmask16 m = (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+            const __m512 row = _mm512_maskz_compress_ps((__mmask16)(m << (i * UB)), sums);
+            _mm512_mask_storeu_ps(scores + r * stride + t + a - lo[r],
+                                  (__mmask16)((1u << (b - a)) - 1), row);
+        }
+    }
+}
+
+/* out[r0 + i] lanes j0 .. j0 + 16 JB - 1 for RB rows from r0: the probabilities p[r][t]
+   times the values, keys in position order, each value vector loaded and converted once for
+   the block's RB rows and each probability broadcast once for its JB vectors. A row's sums
+   are the same whatever rows or columns share its block. */
+static inline __attribute__((always_inline)) void value_block(
+        float *const *p, const float *inv, int r0, const int RB, int64_t j0, const int JB,
+        const int64_t *lo, const int64_t *n, int64_t first, int64_t longest, int64_t all_lo,
+        int64_t all_n, const void *v, int64_t D, int64_t ring, int bf16, float *const *out) {
+    __m512 acc[24];
+    for (int a = 0; a < RB * JB; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t t = first; t < longest; t++) {
+        const int64_t at = (ring ? t % ring : t) * D + j0;
+        __m512 vj[4];
+        for (int c = 0; c < JB; c++) vj[c] = load16(v, at + 16 * c, bf16);
+        const int every = t >= all_lo && t < all_n;  /* every row of the tile sees it */
+        for (int i = 0; i < RB; i++) {
+            const int r = r0 + i;
+            if (!every && (t < lo[r] || t >= n[r])) continue;
+            const __m512 pr = _mm512_set1_ps(p[r][t]);
+            for (int c = 0; c < JB; c++)
+                acc[i * JB + c] = _mm512_fmadd_ps(pr, vj[c], acc[i * JB + c]);
+        }
+    }
+    for (int i = 0; i < RB; i++)
+        for (int c = 0; c < JB; c++)
+            _mm512_storeu_ps(out[r0 + i] + j0 + 16 * c,
+                             _mm512_mul_ps(acc[i * JB + c], _mm512_set1_ps(inv[r0 + i])));
+}
+
+/* value_block over all of D for RB rows: 64 lanes at a time, then 32, then 16. */
+static inline __attribute__((always_inline)) void value_rows(
+        float *const *p, const float *inv, int r0, const int RB, const int64_t *lo,
+        const int64_t *n, int64_t first, int64_t longest, int64_t all_lo, int64_t all_n,
+        const void *v, int64_t D, int64_t ring, int bf16, float *const *out) {
+    int64_t j0 = 0;
+    for (; j0 + 64 <= D; j0 += 64)
+        value_block(p, inv, r0, RB, j0, 4, lo, n, first, longest, all_lo, all_n, v, D, ring,
+                    bf16, out);
+    for (; j0 + 32 <= D; j0 += 32)
+        value_block(p, inv, r0, RB, j0, 2, lo, n, first, longest, all_lo, all_n, v, D, ring,
+                    bf16, out);
+    for (; j0 < D; j0 += 16)
+        value_block(p, inv, r0, RB, j0, 1, lo, n, first, longest, all_lo, all_n, v, D, ring,
+                    bf16, out);
+}
+
 /* Up to MAX_TILE query rows of one kv head (q: `rows` rows of D floats, already times the
    scale; D a multiple of 16, at most 512) against the keys of positions lo[r]..n[r]-1 (at
    entry t mod ring of k and v when ring > 0, else at entry t). A row's arithmetic is the
    same whatever rows share its tile: its dot products over D in fixed lanes, its sums over
-   keys in position order. Row r's probability of key lo[r] + i is at scores[r * stride + i].
-   `rows` is a constant in each inlined copy, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_rows(
-        const float *q, const uint16_t *qb, float scale, const int64_t *lo, const int64_t *n,
-        const int rows, const void *k, const void *v, int64_t D, int64_t ring, int bf16,
-        float *scores, int64_t stride, float *const *out, float *kbuf) {
-    const int64_t nd = D / 16;
+   keys in position order. Row r's probability of key lo[r] + i is at scores[r * stride + i]. */
+static void attend_tile(const float *q, const uint16_t *qb, float scale, const int64_t *lo,
+                        const int64_t *n, const int rows, const void *k, const void *v,
+                        int64_t D, int64_t ring, int bf16, float *scores, int64_t stride,
+                        float *const *out, float *kbuf) {
     int64_t longest = 0, first = n[0], all_lo = 0, all_n = n[0];
-    const float *p[MAX_TILE];  /* p[r][t]: row r's probability of key t */
+    float *p[MAX_TILE];  /* p[r][t]: row r's probability of key t */
     for (int r = 0; r < rows; r++) {
         longest = n[r] > longest ? n[r] : longest;
         first = lo[r] < first ? lo[r] : first;
@@ -106,59 +188,36 @@ static inline __attribute__((always_inline)) void attend_rows(
         all_n = n[r] < all_n ? n[r] : all_n;
         p[r] = scores + r * stride - lo[r];
     }
-    /* The scores. Each row's dot product accumulates in lanes d mod 16 and is summed across
-       them in _mm512_reduce_add_ps's order, either way: a key at a time for all rows (few
-       rows), or, for many rows, 16 keys at a time (converted once into kbuf) summed all at
-       once by sum16, which spends fewer instructions a score. */
     if (qb) {
         scores_bf16(qb, lo, n, rows, (const uint16_t *)k, D, ring, scale, scores, stride, first,
                     longest);
-    } else if (rows <= 8) {
-        for (int64_t t = first; t < longest; t++) {
-            const int64_t at = (ring ? t % ring : t) * D;
-            __m512 acc[MAX_TILE];
-            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < nd; j++) {
-                const __m512 kj = load16(k, at + 16 * j, bf16);
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + 16 * j), kj, acc[r]);
-            }
-            for (int r = 0; r < rows; r++)
-                if (t >= lo[r] && t < n[r])
-                    scores[r * stride + t - lo[r]] = _mm512_reduce_add_ps(acc[r]);
-        }
     } else for (int64_t t0 = first; t0 < longest; t0 += 16) {
         const int64_t nk = longest - t0 < 16 ? longest - t0 : 16;
-        for (int64_t u = 0; u < 16; u++) {
-            const int64_t t = t0 + (u < nk ? u : 0);  /* past the end: any key, not stored */
+        for (int64_t u = 0; u < 16; u++) {  /* past the end: any key (its scores not kept) */
+            const int64_t t = t0 + (u < nk ? u : 0);
             const int64_t at = (ring ? t % ring : t) * D;
-            for (int64_t j = 0; j < nd; j++)
-                _mm512_storeu_ps(kbuf + u * D + 16 * j, load16(k, at + 16 * j, bf16));
+            for (int64_t j = 0; j < D; j += 16)
+                _mm512_storeu_ps(kbuf + u * D + j, load16(k, at + j, bf16));
         }
-        for (int r = 0; r < rows; r++) {
-            if (t0 + 15 < lo[r] || t0 >= n[r]) continue;  /* none of the row's keys */
-            __m512 acc[16];
-            for (int u = 0; u < 16; u++) acc[u] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < nd; j++) {
-                const __m512 qj = _mm512_loadu_ps(q + r * D + 16 * j);
-                for (int u = 0; u < 16; u++)
-                    acc[u] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(kbuf + u * D + 16 * j), acc[u]);
-            }
-            const __m512 sums = sum16(acc);
-            /* keys t0 + u within lo[r]..n[r]-1 */
-            const int64_t a = lo[r] > t0 ? lo[r] - t0 : 0, b = n[r] - t0 < nk ? n[r] - t0 : nk;
-            const __mmask16 m = (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
-            _mm512_mask_storeu_ps(scores + r * stride + t0 - lo[r], m, sums);
-        }
+        int r0 = 0;
+        for (; r0 + 4 <= rows; r0 += 4)
+            score_block(q, D, r0, 4, kbuf, t0, nk, lo, n, scores, stride);
+        for (; r0 + 2 <= rows; r0 += 2)
+            score_block(q, D, r0, 2, kbuf, t0, nk, lo, n, scores, stride);
+        for (; r0 < rows; r0++)
+            score_block(q, D, r0, 1, kbuf, t0, nk, lo, n, scores, stride);
     }
     float inv[MAX_TILE];
     for (int r = 0; r < rows; r++) {  /* probabilities in lanes of 16: a fixed order */
-        float *s = scores + r * stride, max = -INFINITY;
+        float *s = scores + r * stride;
         const int64_t count = n[r] - lo[r];
-        for (int64_t i = 0; i < count; i++) max = s[i] > max ? s[i] : max;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < count; i += 16)  /* the largest: the same in any order */
+            vmax = _mm512_mask_max_ps(vmax, tail(count - i), _mm512_loadu_ps(s + i), vmax);
+        const float max = _mm512_reduce_max_ps(vmax);
         __m512 sum16 = _mm512_setzero_ps();
         for (int64_t i = 0; i < count; i += 16) {
-            const __mmask16 m = count - i >= 16 ? 0xffff : (__mmask16)((1u << (count - i)) - 1);
+            const __mmask16 m = tail(count - i);
             __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i),
                                                      _mm512_set1_ps(max)));
             e = _mm512_maskz_mov_ps(m, e);
@@ -167,36 +226,15 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(sum16);
     }
-    for (int64_t j = 0; j < nd; j++) {  /* 16 output lanes at a time, keys in order */
-        __m512 acc[MAX_TILE];
-        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t t = first; t < longest; t++) {
-            const __m512 vj = load16(v, (ring ? t % ring : t) * D + 16 * j, bf16);
-            if (t >= all_lo && t < all_n) {  /* every row sees it */
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vj, acc[r]);
-            } else {
-                for (int r = 0; r < rows; r++)
-                    if (t >= lo[r] && t < n[r])
-                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][t]), vj, acc[r]);
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            _mm512_storeu_ps(out[r] + 16 * j, _mm512_mul_ps(acc[r], _mm512_set1_ps(inv[r])));
-    }
-}
-
-static void attend_tile(const float *q, const uint16_t *qb, float scale, const int64_t *lo,
-                        const int64_t *n, int rows, const void *k, const void *v, int64_t D,
-                        int64_t ring, int bf16, float *scores, int64_t stride,
-                        float *const *out, float *kbuf) {
-    switch (rows) {
-#define ROWS(c) case c: attend_rows(q, qb, scale, lo, n, c, k, v, D, ring, bf16, scores, \
-                                    stride, out, kbuf); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-        ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
-#undef ROWS
-    }
+    int r0 = 0;
+    for (; r0 + 6 <= rows; r0 += 6)
+        value_rows(p, inv, r0, 6, lo, n, first, longest, all_lo, all_n, v, D, ring, bf16, out);
+    for (; r0 + 4 <= rows; r0 += 4)
+        value_rows(p, inv, r0, 4, lo, n, first, longest, all_lo, all_n, v, D, ring, bf16, out);
+    for (; r0 + 2 <= rows; r0 += 2)
+        value_rows(p, inv, r0, 2, lo, n, first, longest, all_lo, all_n, v, D, ring, bf16, out);
+    for (; r0 < rows; r0++)
+        value_rows(p, inv, r0, 1, lo, n, first, longest, all_lo, all_n, v, D, ring, bf16, out);
 }
 
 /* out [B, H, S, D] (fp32) = attention of q [B, H, S, D] (fp32, contiguous) over the keys
