@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, GenParams
+from engine import Engine, GenParams, native
 from engine.decode.policy import TextKind
 from engine.exec.calibration import warm_up
 
@@ -125,3 +125,33 @@ def test_the_modes_take_turns_step_by_step_where_each_has_a_slot_of_its_own() ->
     assert kept["turns"] == "steps" and 2.5 <= kept["tokens_per_step_by_k"]["2"] <= 3
     alone = bench_steps(make(torch.bfloat16)(1), context=48, new_tokens=20, ks=[1], rounds=1)
     assert alone["turns"] == "generations" and alone["identical_to_ar"] is True
+
+
+@pytest.mark.skipif(native.status() != "vnni", reason="our CPU kernels do not run here")
+def test_the_bench_says_where_each_modes_step_spends_its_time(tmp_path: Path) -> None:
+    """Each of our kernels timed as the modes' steps run: a part's calls a step, its ms, and
+    the rest (torch's operators and Python), for plain decoding, each K and each verify."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
+                           "tiny-qwen3", "--dtype", "bf16", "--quant", "int4",
+                           "--synthetic-acceptance", "1,1", "--ks", "1,2", "--context", "48",
+                           "--max-new-tokens", "14", "--rounds", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    if r["turns"] != "steps":
+        pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
+    ms, calls = r["breakdown_ms"], r["breakdown_calls"]
+    assert set(ms) == set(calls) == {"plain", "k1", "k2", "verify1", "verify2"}
+    layers = 3  # tiny-qwen3's blocks: q/k/v, o, gate/up, down products each; then the head
+    products = "int8/int4 products"
+    assert calls["plain"][products] == calls["verify2"][products] == 4 * layers + 1
+    assert calls["plain"]["attention"] == layers and "delta rule" not in calls["plain"]
+    # K=2's steps also draft: the module's products and its head's, once a draft
+    assert calls["k2"][products] > calls["k1"][products] > calls["verify2"][products]
+    for mode in ms.values():
+        assert {products, "attention", "norms", "rotary embeddings"} <= set(mode)
+        assert all(v > 0 for v in mode.values())
+        assert mode["step"] == pytest.approx(sum(v for p, v in mode.items() if p != "step"))
+    assert "where a step's time goes" in proc.stdout
+    assert "the rest: torch's operators, Python" in proc.stdout

@@ -285,3 +285,26 @@ def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
         at = (index[slots] + 1 + s) % ring
         assert torch.equal(conv[slots, at], window[:, :, s + 1:s + kernel]), s
     assert torch.equal(conv[slots, index[slots]], committed)
+
+
+@needs_vnni
+def test_timed_counts_each_kernel_call_and_leaves_the_kernels_as_they_were() -> None:
+    """`native.timed` (the bench's breakdown of a step) times each call of our kernels by
+    its part, and afterwards the calls go straight to the kernels again."""
+    from engine.native import rows
+
+    norm, products = rows._rms_norm, type(native.kernels()).run_linear
+    codes, scales, group = encode(torch.randn(48, 64), "int4")
+    packed = Packed("int4", codes, scales, None, group)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    want = packed(x)
+    with native.timed() as totals:
+        assert torch.equal(packed(x), want)
+        packed(x)
+        rows.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 0.0, 1e-6, False)
+    assert totals["int8/int4 products"][1] == 2 and totals["norms"][1] == 1
+    assert totals["int8/int4 products"][0] > 0 and totals["attention"] == [0.0, 0]
+    assert rows._rms_norm is norm and "run_linear" not in vars(native.kernels())
+    assert type(native.kernels()).run_linear is products
+    packed(x)
+    assert totals["int8/int4 products"][1] == 2  # no longer counted

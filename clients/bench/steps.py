@@ -10,6 +10,7 @@ and with `slots` prompts batched).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from clients.bench.engine import load_line
-from engine import Engine, GenParams
+from engine import Engine, GenParams, native
 from engine.bundled import bundled_model_dir
 from engine.exec.calibration import warm_up
 from engine.generation import Generation
@@ -107,18 +108,27 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     made: dict[tuple[str, int], int] = dict.fromkeys(modes, 0)
     plain: list[int] | None = None
     identical = True
-    for r in range(rounds):
-        say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
-            f"{'step by step' if stepwise else 'by generations'} (round {r + 1} of {rounds})")
-        runs = _stepped(engine, prompts[0], modes, new_tokens) if stepwise else \
-            {mode: _stepped(engine, prompts[0], [mode], new_tokens)[mode] for mode in modes}
-        for mode, (tokens, ts) in runs.items():
-            if mode[0] != "verify":
-                made[mode] += len(tokens) - 1
-                plain = plain or tokens  # the first generation is plain decoding's
-                identical &= tokens == plain
-            times[mode] += ts
-            by_round[mode].append(statistics.median(ts))
+    # where each mode's steps spend their time: our CPU kernels timed as they run
+    parts: dict[tuple[str, int], dict[str, list[float]]] = {m: {} for m in modes}
+    breakdown = stepwise and engine.device.type == "cpu"
+    empty: dict[str, list[float]] = {}
+    timing: contextlib.AbstractContextManager[dict[str, list[float]]] = \
+        native.timed() if breakdown else contextlib.nullcontext(empty)
+    with timing as totals:
+        for r in range(rounds):
+            say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
+                f"{'step by step' if stepwise else 'by generations'} (round {r + 1} of "
+                f"{rounds})")
+            runs = _stepped(engine, prompts[0], modes, new_tokens, totals, parts) \
+                if stepwise else {mode: _stepped(engine, prompts[0], [mode], new_tokens)[mode]
+                                  for mode in modes}
+            for mode, (tokens, ts) in runs.items():
+                if mode[0] != "verify":
+                    made[mode] += len(tokens) - 1
+                    plain = plain or tokens  # the first generation is plain decoding's
+                    identical &= tokens == plain
+                times[mode] += ts
+                by_round[mode].append(statistics.median(ts))
     assert plain is not None
     out["rounds"] = rounds
     out["ar_step_ms"] = statistics.median(times["plain", 0]) * 1e3
@@ -140,6 +150,11 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                             for (kind, k), ts in by_round.items()}
     out["draft_share_by_k"] = {k: ms / out["ar_step_ms"]
                                for k, ms in out["draft_ms_by_k"].items()}
+    if breakdown:
+        out["breakdown_ms"] = {_mode_name(m): _per_step(parts[m], times[m]) for m in modes}
+        out["breakdown_calls"] = {_mode_name(m): {p: calls / max(len(times[m]), 1)
+                                                  for p, (_, calls) in parts[m].items() if calls}
+                                  for m in modes}
     run, adaptive = _timed(engine, prompts[0], _params(new_tokens))
     identical &= run.tokens == plain
     out["adaptive_tokens_per_s"] = (len(run.tokens) - 1) / sum(adaptive)
@@ -195,12 +210,29 @@ def _mode_params(mode: tuple[str, int], new_tokens: int) -> GenParams:
         _params(new_tokens, k=k if kind == "k" else 0)
 
 
+def _mode_name(mode: tuple[str, int]) -> str:
+    kind, k = mode
+    return "plain" if kind == "plain" else f"{kind}{k}"
+
+
+def _per_step(spent: dict[str, list[float]], steps: list[float]) -> dict[str, float]:
+    """ms a step (means: parts add up to the step) of each part, of the whole step, and of
+    the rest: torch's operators and Python between our kernels."""
+    n = max(len(steps), 1)
+    out = {part: seconds * 1e3 / n for part, (seconds, _) in spent.items() if seconds > 0}
+    step = sum(steps) * 1e3 / n
+    return out | {"step": step, "rest": step - sum(out.values())}
+
+
 def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
-             new_tokens: int) -> dict[tuple[str, int], tuple[list[int], list[float]]]:
+             new_tokens: int, totals: dict[str, list[float]] | None = None,
+             parts: dict[tuple[str, int], dict[str, list[float]]] | None = None,
+             ) -> dict[tuple[str, int], tuple[list[int], list[float]]]:
     """Every mode's generation at once (one mode: alone), each in a slot of its own, one step
     each in turn until all have ended: their tokens and the seconds of each step after the
     prefill (a verify-only mode's steps with K drafts given, until fewer than K + 1 tokens
-    are left)."""
+    are left). With `totals` (`native.timed`'s) and `parts`: each part's seconds and calls
+    within each mode's timed steps, added to parts[mode]."""
     gens = {}
     for i, mode in enumerate(modes):
         slot = "bench" if i == 0 else ("bench", i)
@@ -217,9 +249,16 @@ def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
                 continue
             if kind == "verify":
                 engine.give_drafts(gen, [gen.sequence[-1]] * k)  # any tokens cost the same
+            before = {part: list(got) for part, got in (totals or {}).items()}
             t0 = time.perf_counter()
             engine.step([gen])  # ends with the host reading the step's result: synchronised
             times[mode].append(time.perf_counter() - t0)
+            if totals is not None and parts is not None:
+                for part, got in totals.items():
+                    was = before.get(part, [0.0, 0])
+                    mine = parts[mode].setdefault(part, [0.0, 0])
+                    mine[0] += got[0] - was[0]
+                    mine[1] += got[1] - was[1]
     return {m: ([] if m[0] == "verify" else gens[m].tokens, times[m]) for m in modes}
 
 
@@ -352,6 +391,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['weight_bandwidth_share'] * 100:.0f}% of the copy bandwidth "
         f"({r['copy_gb_per_s']:.0f} GB/s, measured in this run)",
     ]
+    if "breakdown_ms" in r:
+        lines += _breakdown_lines(r["breakdown_ms"])
     if "batched_tokens_per_s" in r:
         lines.append(f"{r['slots']} slots batched: {r['batched_tokens_per_s']:.1f} tokens/s")
     if r.get("synthetic_acceptance"):
@@ -366,6 +407,23 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(_peer_line(r["peer"], r["ar_tokens_per_s"],
                                 max(r.get("tokens_per_s_by_k", {}).values(), default=0.0)))
     return "\n".join(lines)
+
+
+def _breakdown_lines(parts: dict[str, dict[str, float]]) -> list[str]:
+    """A plain step, the largest K's verify-only step and its step, part by part."""
+    k = max((int(name[1:]) for name in parts if name.startswith("k")), default=None)
+    names = ["plain"] + ([f"verify{k}", f"k{k}"] if k else [])
+    names = [n for n in names if n in parts]
+    heads = {"plain": "plain", f"verify{k}": f"verify-only K={k}", f"k{k}": f"K={k}"}
+    order = [p for p in parts[names[0]] if p not in ("step", "rest")]
+    order += [p for n in names for p in parts[n] if p not in order and p not in ("step", "rest")]
+    lines = [f"where a step's time goes, ms a step, means ({' / '.join(heads[n] for n in names)}"
+             "; our kernels timed as they ran, each from its Python call to its return):"]
+    for part, label in [*((p, p) for p in order), ("rest", "the rest: torch's operators, "
+                                                           "Python"), ("step", "the step")]:
+        lines.append(f"  {label}: " + " / ".join(f"{parts[n].get(part, 0.0):.2f}"
+                                                 for n in names))
+    return lines
 
 
 def _peer_line(p: dict[str, Any], plain: float, best: float) -> str:
