@@ -308,3 +308,48 @@ def test_timed_counts_each_kernel_call_and_leaves_the_kernels_as_they_were() -> 
     assert type(native.kernels()).run_linear is products
     packed(x)
     assert totals["int8/int4 products"][1] == 2  # no longer counted
+
+
+@needs_vnni
+@pytest.mark.parametrize("v_dim", [48, 64, 256])  # the kernel's chunks: 16, 64, 128 columns
+def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_bit(
+        v_dim: int) -> None:
+    """`delta_rule_last` writes only the state after a window's last position; the commit's
+    `settle` rebuilds the one it keeps from the committed state and the window's factors:
+    the bits `delta_rule` writes for that position, the outputs the same, nothing else of
+    the ring touched."""
+    from engine.cache.state import StateCache
+
+    gen = torch.Generator().manual_seed(5)
+    heads, k_dim, width, ring = 4, 32, 4, 6
+    index = torch.tensor([1, 0, 4])
+    slots = torch.tensor([2, 0])
+    q, k = (torch.randn(2, heads, width, k_dim, generator=gen) * 0.3 for _ in range(2))
+    v = torch.randn(2, heads, width, v_dim, generator=gen)
+    decay, beta = torch.rand(2, heads, width, generator=gen), torch.rand(2, heads, width,
+                                                                          generator=gen)
+    cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
+    cache.state.normal_(generator=gen)
+    start = cache.state.clone()
+    src, dst = cache.state_offsets(slots, width)
+    every = start.clone()
+    want = native.delta_rule(q, k, v, decay, beta, every, src, dst)
+    assert want is not None
+    entries = (index[slots, None] + torch.arange(1, width + 1)) % ring  # [rows, positions]
+    for kept in ([0, 2], [1, 3], [3, 0], [2, 1]):
+        cache.state.copy_(start)
+        lazy = native.delta_rule_last(q, k, v, decay, beta, cache.state, src, dst, slots)
+        assert lazy is not None
+        out, unsettled = lazy
+        assert torch.equal(out, want)
+        last = cache.state[slots, entries[:, -1]]
+        assert torch.equal(last, every[slots, entries[:, -1]])  # written by the pass itself
+        cache.unsettled = unsettled
+        cache.settle(slots[[1, 0]], torch.tensor(kept[::-1]))  # rows matched by slot
+        assert cache.unsettled is None
+        for row, n in enumerate(kept):
+            slot, entry = slots[row], entries[row, n]
+            assert torch.equal(cache.state[slot, entry], every[slot, entry]), (kept, row)
+            untouched = [e for e in range(ring) if e not in (int(entry), int(entries[row, -1]))]
+            assert torch.equal(cache.state[slot, untouched], start[slot, untouched])
+        assert torch.equal(cache.state[1], start[1])  # a slot not in the window

@@ -118,6 +118,8 @@ class Caches:
 
     def commit(self, slots: Tensor, n: Tensor) -> None:
         """Commit each slot's recurrent state after position n [B] of the last pass."""
+        for cache in self.states():
+            cache.settle(slots, n)
         commit(self.state_index, self.snapshots, slots, n)
 
     def clear_state(self, slots: Tensor) -> None:

@@ -6,7 +6,10 @@ a ring of R = width + 1 states per layer (width: the widest verify, k_max + 1). 
 names the committed one. A pass that runs S positions writes the state after each of them
 (or, for a prefill chunk, only after its last) into the ring entries after the committed one,
 never over it; the step then commits the state after the accepted position by moving the
-index (`commit`): a pick, never a recompute, and no copy. One entry more than the k_max + 1
+index (`commit`): a pick, and no copy. On the CPU our kernel writes only the state after a
+verify window's last position and keeps each position's factor; `settle`, just before the
+commit, writes the state after the kept position from them where it is another (the same
+bits; one state written where S were). One entry more than the k_max + 1
 snapshots a verify makes: the committed state must survive the pass that reads it, so that a
 pass can be run again (the invariance probe does) and nothing is copied at commit.
 
@@ -21,13 +24,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engine.native import Unsettled
+
 
 class StateCache:
     """One layer's states for all slots: conv [slots, R, C, K-1] (the last K-1 inputs of
     the convolution) and the delta rule's [slots, R, H, Dk, Dv] in fp32; and as many saved
     ones, [slots, P, ...] each."""
 
-    __slots__ = ("conv", "index", "ring", "saved_conv", "saved_state", "state")
+    __slots__ = ("conv", "index", "ring", "saved_conv", "saved_state", "state", "unsettled")
 
     def __init__(self, num_slots: int, ring: int, conv_size: int, kernel: int, num_heads: int,
                  k_dim: int, v_dim: int, index: Tensor, dtype: torch.dtype,
@@ -42,6 +47,16 @@ class StateCache:
 
         self.conv, self.state = states(ring)
         self.saved_conv, self.saved_state = states(saved)
+        # The last window's pass when it wrote only the state after its last position
+        # (native.delta_rule_last): `settle` writes the one a commit keeps, if another.
+        self.unsettled: Unsettled | None = None
+
+    def settle(self, slots: Tensor, n: Tensor) -> None:
+        """Before slots commit the state after position n [B] of the last pass: that state
+        written into its ring entry where the pass left it out (`unsettled`)."""
+        if self.unsettled is not None:
+            self.unsettled.settle(self.state, slots, n)
+            self.unsettled = None
 
     def read_conv(self, slots: Tensor) -> Tensor:
         """The committed conv states [B, C, K-1] of `slots`."""
@@ -59,6 +74,7 @@ class StateCache:
 
     def write_conv(self, slots: Tensor, conv: Tensor) -> None:
         """The conv states after each of S positions [B, S, C, K-1] (as `write`)."""
+        self.unsettled = None  # a pass of its own: an earlier window's is stale
         self.conv[slots[:, None], self._after(slots, conv.shape[1])] = conv.to(self.conv.dtype)
 
     def state_offsets(self, slots: Tensor, positions: int) -> tuple[Tensor, Tensor]:
@@ -76,6 +92,7 @@ class StateCache:
 
     def clear(self, slots: Tensor) -> None:
         """The committed states of `slots` back to zero (nothing seen yet)."""
+        self.unsettled = None
         at = self.index[slots]
         self.conv[slots, at] = 0
         self.state[slots, at] = 0
@@ -88,6 +105,7 @@ class StateCache:
 
     def restore(self, slots: Tensor, entry: int) -> None:
         """The saved entry `entry` of `slots` back into their committed states."""
+        self.unsettled = None
         at = self.index[slots]
         self.conv[slots, at] = self.saved_conv[slots, entry]
         self.state[slots, at] = self.saved_state[slots, entry]

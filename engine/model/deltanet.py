@@ -144,7 +144,16 @@ class GatedDeltaNet(nn.Module):
             return None
         q, k, v, decay, beta = prepared
         src, dst = cache.state_offsets(batch.slots, seqlen)
-        out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
+        cache.unsettled = None  # this pass writes the ring entries after the committed one
+        out: Tensor | None
+        if seqlen > 1:  # a verify window: the state after its last position alone
+            lazy = native.delta_rule_last(q, k, v, decay, beta, cache.state, src, dst,
+                                          batch.slots)
+            if lazy is None:
+                return None
+            out, cache.unsettled = lazy
+        else:
+            out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
         if out is None:
             return None
         y = native.gdn_gated_norm(out, proj, self.conv_size, self.step_params[3], self.norm.eps)

@@ -34,12 +34,13 @@ INLINE void dot(const float *s, int64_t ps, const float *k, float a, int64_t Dk,
 }
 
 /* One position over nb blocks of 16 columns: S' = a S + k d^T from the state at prev (rows
-   ps apart) into next (rows Dv apart; streamed when `stream`), out = S'^T q, and when
-   `more`, S' into cur (rows 16 nb apart) and the next position's (an S')^T kn into acc. */
+   ps apart) into next (rows Dv apart; streamed when `stream`; not kept unless `keep`),
+   out = S'^T q, and when `more`, S' into cur (rows 16 nb apart) and the next position's
+   (an S')^T kn into acc. */
 INLINE void update(const float *prev, int64_t ps, float *next, int64_t Dv, float *cur,
                    const float *k, const float *q, float a, const __m512 *d, __m512 *out,
                    const float *kn, float an, __m512 *acc, int64_t Dk, const int nb,
-                   const int more, const int stream) {
+                   const int more, const int stream, const int keep) {
     const __m512 at = _mm512_set1_ps(a), ant = _mm512_set1_ps(an);
     for (int j = 0; j < nb; j++) {
         out[j] = _mm512_setzero_ps();
@@ -51,9 +52,9 @@ INLINE void update(const float *prev, int64_t ps, float *next, int64_t Dv, float
         for (int j = 0; j < nb; j++) {
             const __m512 s = _mm512_fmadd_ps(ki, d[j], _mm512_mul_ps(
                                  at, _mm512_loadu_ps(prev + i * ps + 16 * j)));
-            if (stream)
+            if (keep && stream)
                 _mm512_stream_ps(next + i * Dv + 16 * j, s);
-            else
+            else if (keep)
                 _mm512_storeu_ps(next + i * Dv + 16 * j, s);
             out[j] = _mm512_fmadd_ps(qi, s, out[j]);
             if (more) {
@@ -70,7 +71,8 @@ INLINE void update(const float *prev, int64_t ps, float *next, int64_t Dv, float
    per position); cur: Dk x 16 nb floats of scratch. */
 INLINE void chunk(const float *q, const float *k, const float *v, const float *a,
                   const float *b, const float *state, float *const *dst, int64_t S,
-                  int64_t Dk, int64_t Dv, int64_t j0, float *o, float *cur, const int nb) {
+                  int64_t Dk, int64_t Dv, int64_t j0, float *o, float *cur, float *dout,
+                  const int nb) {
     __m512 acc[8], d[8], out[8];
     dot(state + j0, Dv, k, a[0], Dk, acc, nb);
     const float *prev = state + j0;
@@ -80,19 +82,26 @@ INLINE void chunk(const float *q, const float *k, const float *v, const float *a
         for (int j = 0; j < nb; j++)  /* d = b (v - (a S)^T k) */
             d[j] = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + t * Dv + j0 + 16 * j),
                                                acc[j]), bt);
+        if (dout)  /* the factor the state's update multiplies: rebuilt from it later */
+            for (int j = 0; j < nb; j++) _mm512_storeu_ps(dout + t * Dv + j0 + 16 * j, d[j]);
         float *next = dst[t] + j0;
         const int stream = ((uintptr_t)next & 63) == 0;
         const float *kt = k + t * Dk, *qt = q + t * Dk;
-        if (t + 1 < S && stream)
+        if (t + 1 < S && dout)  /* only the last position's state is kept */
             update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, a[t + 1], acc, Dk,
-                   nb, 1, 1);
+                   nb, 1, 0, 0);
+        else if (t + 1 < S && stream)
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, a[t + 1], acc, Dk,
+                   nb, 1, 1, 1);
         else if (t + 1 < S)
             update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, a[t + 1], acc, Dk,
-                   nb, 1, 0);
+                   nb, 1, 0, 1);
         else if (stream)
-            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, 0.0f, acc, Dk, nb, 0, 1);
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, 0.0f, acc, Dk, nb, 0, 1,
+                   1);
         else
-            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, 0.0f, acc, Dk, nb, 0, 0);
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, 0.0f, acc, Dk, nb, 0, 0,
+                   1);
         for (int j = 0; j < nb; j++) _mm512_storeu_ps(o + t * Dv + j0 + 16 * j, out[j]);
         prev = cur;  /* cur is read, then written, element by element */
         ps = 16 * nb;
@@ -103,28 +112,32 @@ INLINE void chunk(const float *q, const float *k, const float *v, const float *a
    divide Dv. */
 static void head(const float *q, const float *k, const float *v, const float *a,
                  const float *b, const float *state, float *const *dst, int64_t S,
-                 int64_t Dk, int64_t Dv, float *o, float *cur) {
+                 int64_t Dk, int64_t Dv, float *o, float *cur, float *dout) {
     if (Dv % 128 == 0)
         for (int64_t j0 = 0; j0 < Dv; j0 += 128)
-            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, 8);
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, 8);
     else if (Dv % 64 == 0)
         for (int64_t j0 = 0; j0 < Dv; j0 += 64)
-            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, 4);
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, 4);
     else
         for (int64_t j0 = 0; j0 < Dv; j0 += 16)
-            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, 1);
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, 1);
     _mm_sfence();  /* the streamed states are seen by whoever reads them next */
 }
 
 /* q, k [B, H, S, Dk], v [B, H, S, Dv], a, b [B, H, S] (fp32, contiguous); states: the ring
    of states, a head's [Dk, Dv] at offset src[row] + h*Dk*Dv for the committed one of row
    `row` and dst[row*S + t] + h*Dk*Dv for the one after its position t. o [B, H, S, Dv].
+   With d (else NULL), [B, H, S, Dv]: only the state after the last position is written,
+   and each position's d_t into d, from which `delta_settle` rebuilds the state after any
+   of them (a verify window writes one state where it wrote S: Qwen3.5-2B's 18 layers write
+   18 MB a state).
    Returns 0, -1 for shapes this kernel does not take, or -2 when scratch memory could not
    be had. */
 int delta_rule(const float *q, const float *k, const float *v, const float *a,
                const float *b, float *states, const int64_t *src, const int64_t *dst,
                int64_t B, int64_t H, int64_t S, int64_t Dk, int64_t Dv, float *o,
-               int threads) {
+               int threads, float *d) {
     if (Dv % 16 != 0 || Dv > 256 || S > 64) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -142,9 +155,45 @@ int delta_rule(const float *q, const float *k, const float *v, const float *a,
                 for (int64_t t = 0; t < S; t++) out[t] = states + dst[r * S + t] + h * Dk * Dv;
                 const int64_t x = (r * H + h) * S;
                 head(q + x * Dk, k + x * Dk, v + x * Dv, a + x, b + x,
-                     states + src[r] + h * Dk * Dv, out, S, Dk, Dv, o + x * Dv, cur);
+                     states + src[r] + h * Dk * Dv, out, S, Dk, Dv, o + x * Dv, cur,
+                     d ? d + x * Dv : NULL);
             }
         free(cur);
     }
     return failed ? -2 : 0;
+}
+
+/* After a pass with d (`delta_rule`): the state after position n[row] of each row where
+   0 <= n[row] < S - 1 (the last position's was written), rebuilt from the committed one at
+   src[row] into dst[row*S + n[row]] (offsets as delta_rule's) by the pass's own factors:
+   S_t = k_t d_t^T + a_t S_{t-1} element by element, the same operations in the same order as
+   the pass made them, so the same bits. k [B, H, S, Dk], d [B, H, S, Dv], a [B, H, S]. */
+int delta_settle(const float *k, const float *d, const float *a, float *states,
+                 const int64_t *src, const int64_t *dst, const int64_t *n, int64_t B,
+                 int64_t H, int64_t S, int64_t Dk, int64_t Dv, int threads) {
+    if (Dv % 16 != 0) return -1;
+#pragma omp parallel for schedule(static) collapse(2) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < B; r++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t last = n[r];
+            if (last < 0 || last >= S - 1) continue;
+            const int64_t x = (r * H + h) * S;
+            const float *s0 = states + src[r] + h * Dk * Dv;
+            float *out = states + dst[r * S + last] + h * Dk * Dv;
+            const int stream = ((uintptr_t)out & 63) == 0;
+            for (int64_t i = 0; i < Dk; i++)
+                for (int64_t j = 0; j < Dv; j += 16) {
+                    __m512 s = _mm512_loadu_ps(s0 + i * Dv + j);
+                    for (int64_t t = 0; t <= last; t++)
+                        s = _mm512_fmadd_ps(_mm512_set1_ps(k[(x + t) * Dk + i]),
+                                            _mm512_loadu_ps(d + (x + t) * Dv + j),
+                                            _mm512_mul_ps(_mm512_set1_ps(a[x + t]), s));
+                    if (stream)
+                        _mm512_stream_ps(out + i * Dv + j, s);
+                    else
+                        _mm512_storeu_ps(out + i * Dv + j, s);
+                }
+        }
+    _mm_sfence();
+    return 0;
 }
