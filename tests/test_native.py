@@ -289,16 +289,17 @@ def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
 
 @needs_vnni
 def test_timed_counts_each_kernel_call_and_leaves_the_kernels_as_they_were() -> None:
-    """`native.timed` (the bench's breakdown of a step) times each call of our kernels by
+    """`timing.timed` (the bench's breakdown of a step) times each call of our kernels by
     its part, and afterwards the calls go straight to the kernels again."""
     from engine.native import rows
+    from engine.native.timing import timed
 
     norm, products = rows._rms_norm, type(native.kernels()).run_linear
     codes, scales, group = encode(torch.randn(48, 64), "int4")
     packed = Packed("int4", codes, scales, None, group)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     want = packed(x)
-    with native.timed() as totals:
+    with timed() as totals:
         assert torch.equal(packed(x), want)
         packed(x)
         rows.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 0.0, 1e-6, False)
@@ -314,10 +315,10 @@ def test_timed_counts_each_kernel_call_and_leaves_the_kernels_as_they_were() -> 
 @pytest.mark.parametrize("v_dim", [48, 64, 256])  # the kernel's chunks: 16, 64, 128 columns
 def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_bit(
         v_dim: int) -> None:
-    """`delta_rule_last` writes only the state after a window's last position; the commit's
-    `settle` rebuilds the one it keeps from the committed state and the window's factors:
-    the bits `delta_rule` writes for that position, the outputs the same, nothing else of
-    the ring touched."""
+    """`StateCache.delta_rule_last` writes only the state after a window's last position; the
+    commit's `settle` rebuilds the one it keeps from the committed state and the window's
+    factors: the bits `delta_rule` writes for that position, the outputs the same, nothing
+    else of the ring touched."""
     from engine.cache.state import StateCache
 
     gen = torch.Generator().manual_seed(5)
@@ -338,13 +339,10 @@ def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_
     entries = (index[slots, None] + torch.arange(1, width + 1)) % ring  # [rows, positions]
     for kept in ([0, 2], [1, 3], [3, 0], [2, 1]):
         cache.state.copy_(start)
-        lazy = native.delta_rule_last(q, k, v, decay, beta, cache.state, src, dst, slots)
-        assert lazy is not None
-        out, unsettled = lazy
-        assert torch.equal(out, want)
+        out = cache.delta_rule_last(q, k, v, decay, beta, slots)
+        assert out is not None and torch.equal(out, want) and cache.unsettled is not None
         last = cache.state[slots, entries[:, -1]]
         assert torch.equal(last, every[slots, entries[:, -1]])  # written by the pass itself
-        cache.unsettled = unsettled
         cache.settle(slots[[1, 0]], torch.tensor(kept[::-1]))  # rows matched by slot
         assert cache.unsettled is None
         for row, n in enumerate(kept):

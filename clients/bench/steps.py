@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from clients.bench.engine import load_line
-from engine import Engine, GenParams, native
+from engine import Engine, GenParams
 from engine.bundled import bundled_model_dir
 from engine.exec.calibration import warm_up
 from engine.generation import Generation
@@ -28,6 +28,7 @@ from engine.model.assistant import Assistant
 from engine.model.presets import ASSISTANTS, PRESETS
 from engine.model.quant import describe, packed_weights
 from engine.model.transformer import Transformer
+from engine.native.timing import timed
 from engine.tokenizer import Tokenizer
 
 Progress = Callable[[str], None]
@@ -113,7 +114,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     breakdown = stepwise and engine.device.type == "cpu"
     empty: dict[str, list[float]] = {}
     timing: contextlib.AbstractContextManager[dict[str, list[float]]] = \
-        native.timed() if breakdown else contextlib.nullcontext(empty)
+        timed() if breakdown else contextlib.nullcontext(empty)
     with timing as totals:
         for r in range(rounds):
             say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
@@ -231,7 +232,7 @@ def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
     """Every mode's generation at once (one mode: alone), each in a slot of its own, one step
     each in turn until all have ended: their tokens and the seconds of each step after the
     prefill (a verify-only mode's steps with K drafts given, until fewer than K + 1 tokens
-    are left). With `totals` (`native.timed`'s) and `parts`: each part's seconds and calls
+    are left). With `totals` (`timing.timed`'s) and `parts`: each part's seconds and calls
     within each mode's timed steps, added to parts[mode]."""
     gens = {}
     for i, mode in enumerate(modes):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.native import Unsettled
+from engine import native
 
 
 class StateCache:
@@ -48,8 +48,25 @@ class StateCache:
         self.conv, self.state = states(ring)
         self.saved_conv, self.saved_state = states(saved)
         # The last window's pass when it wrote only the state after its last position
-        # (native.delta_rule_last): `settle` writes the one a commit keeps, if another.
+        # (`delta_rule_last`): `settle` writes the one a commit keeps, if another.
         self.unsettled: Unsettled | None = None
+
+    def delta_rule_last(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
+                        slots: Tensor) -> Tensor | None:
+        """`native.delta_rule` over a verify window of `slots` that writes only the state after
+        its last position (one write of every head's state where `delta_rule` makes S) and
+        keeps each position's factor d_t [B, H, S, Dv], from which `settle` writes the state
+        after the position the commit keeps. The output, or None where the kernel does not
+        take these tensors (eager CPU passes only)."""
+        if torch.compiler.is_compiling() or not (
+                v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
+            return None
+        k, decay = k.float().contiguous(), decay.float().contiguous()
+        src, dst = self.state_offsets(slots, q.shape[2])
+        factors = torch.empty(v.shape, dtype=torch.float32)
+        out = native.kernels().run_delta_rule(q, k, v, decay, beta, self.state, src, dst, factors)
+        self.unsettled = Unsettled(slots, src, dst, k, factors, decay)
+        return out
 
     def settle(self, slots: Tensor, n: Tensor) -> None:
         """Before slots commit the state after position n [B] of the last pass: that state
@@ -119,3 +136,25 @@ def commit(index: Tensor, ring: int, slots: Tensor, n: Tensor) -> None:
     """Make the state after position n [B] of the last pass (0: its first, or a prefill
     chunk's last) the committed one of `slots`."""
     index[slots] = (index[slots] + 1 + n) % ring
+
+
+class Unsettled:
+    """A verify window's delta rule that wrote only the state after its last position
+    (`StateCache.delta_rule_last`): what `settle` needs to write the state after another."""
+
+    __slots__ = ("decay", "dst", "factors", "k", "slots", "src")
+
+    def __init__(self, slots: Tensor, src: Tensor, dst: Tensor, k: Tensor, factors: Tensor,
+                 decay: Tensor) -> None:
+        self.slots, self.src, self.dst = slots, src, dst
+        self.k, self.factors, self.decay = k, factors, decay
+
+    def settle(self, states: Tensor, slots: Tensor, n: Tensor) -> None:
+        """Before slots commit position n [B]: the state after position n of each of this
+        window's rows that keeps one before its last, written into its ring entry by
+        deltanet.c `delta_settle`, bit for bit what writing every position would have put
+        there. No host read (a fixed-shape step's commit): the kernel skips the other rows."""
+        match = self.slots[:, None] == slots[None, :]  # [window's rows, committed rows]
+        kept = torch.where(match.any(1), (match.long() * n[None, :]).sum(1), -1).contiguous()
+        native.kernels().run_delta_settle(self.k, self.factors, self.decay, states, self.src,
+                                          self.dst, kept)

@@ -143,16 +143,12 @@ class GatedDeltaNet(nn.Module):
         if prepared is None:
             return None
         q, k, v, decay, beta = prepared
-        src, dst = cache.state_offsets(batch.slots, seqlen)
         cache.unsettled = None  # this pass writes the ring entries after the committed one
         out: Tensor | None
         if seqlen > 1:  # a verify window: the state after its last position alone
-            lazy = native.delta_rule_last(q, k, v, decay, beta, cache.state, src, dst,
-                                          batch.slots)
-            if lazy is None:
-                return None
-            out, cache.unsettled = lazy
+            out = cache.delta_rule_last(q, k, v, decay, beta, batch.slots)
         else:
+            src, dst = cache.state_offsets(batch.slots, seqlen)
             out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
         if out is None:
             return None

@@ -16,17 +16,13 @@ soname), as many threads as `torch.get_num_threads()`.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +65,9 @@ class Kernels:
         delta.restype = ctypes.c_int
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int, ptr]
         self._delta = delta
-        settle = lib.delta_settle
-        settle.restype = ctypes.c_int
-        settle.argtypes = [ptr] * 7 + [i64] * 5 + [ctypes.c_int]
-        self._settle = settle
+        self._settle = lib.delta_settle
+        self._settle.restype = None
+        self._settle.argtypes = [ptr] * 7 + [i64] * 5 + [ctypes.c_int]
         gdn = lib.gdn_prepare
         gdn.restype = ctypes.c_int
         gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64] + [ptr] * 10 + [ctypes.c_int] * 2
@@ -84,8 +79,7 @@ class Kernels:
         self._gdn_norm = norm
 
     def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
-                       states: Tensor, src: Tensor, dst: Tensor,
-                       factors: Tensor | None = None) -> Tensor:
+                       states: Tensor, src: Tensor, dst: Tensor, d: Tensor | None = None) -> Tensor:
         bsz, heads, seqlen, dk = q.shape
         q, k, v, decay, beta = (t.float().contiguous() for t in (q, k, v, decay, beta))
         src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
@@ -93,8 +87,7 @@ class Kernels:
         done = self._delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
                            beta.data_ptr(), states.data_ptr(), src.data_ptr(), dst.data_ptr(),
                            bsz, heads, seqlen, dk, v.shape[-1], out.data_ptr(),
-                           torch.get_num_threads(),
-                           None if factors is None else factors.data_ptr())
+                           torch.get_num_threads(), None if d is None else d.data_ptr())
         if done == -2:
             raise MemoryError("delta rule: no scratch memory for a head's state")
         if done != 0:
@@ -103,12 +96,10 @@ class Kernels:
 
     def run_delta_settle(self, k: Tensor, factors: Tensor, decay: Tensor, states: Tensor,
                          src: Tensor, dst: Tensor, n: Tensor) -> None:
-        bsz, heads, seqlen, dk = k.shape
-        n = n.to(torch.int64).contiguous()
-        if self._settle(k.data_ptr(), factors.data_ptr(), decay.data_ptr(), states.data_ptr(),
-                        src.data_ptr(), dst.data_ptr(), n.data_ptr(), bsz, heads, seqlen, dk,
-                        factors.shape[-1], torch.get_num_threads()) != 0:
-            raise ValueError(f"delta rule: shapes the kernel does not take {tuple(k.shape)}")
+        """deltanet.c `delta_settle` (n: int64, contiguous), after `run_delta_rule(factors)`."""
+        self._settle(k.data_ptr(), factors.data_ptr(), decay.data_ptr(), states.data_ptr(),
+                     src.data_ptr(), dst.data_ptr(), n.data_ptr(), *k.shape, factors.shape[-1],
+                     torch.get_num_threads())
 
     def run_attention(self, q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
                       scale: float | None = None, window: int = 0, ring: int = 0) -> Tensor:
@@ -247,59 +238,6 @@ def status() -> str:
     return "vnni" if isinstance(got, Kernels) else got
 
 
-# The parts of a step our kernels are, by the functions that call them (`timed`).
-KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention",
-                "run_delta_rule": "delta rule", "run_delta_settle": "delta rule",
-                "run_gdn_prepare": "Gated DeltaNet inputs",
-                "run_gdn_gated_norm": "Gated DeltaNet norm"}
-ROW_PARTS = {"_rms_norm": "norms", "_silu_mul": "SwiGLU gate", "_rope": "rotary embeddings",
-             "argmax_lse": "argmax of the logits"}
-
-
-@contextlib.contextmanager
-def timed() -> Iterator[dict[str, list[float]]]:
-    """While inside, each call of our kernels is timed: yields {part: [seconds, calls]},
-    summed as they run (`ahead bench engine`'s breakdown of a step). Wall time from the call
-    to its return, Python's conversions around the kernel included: the CPU kernels return
-    when done. Nothing is timed where the kernels do not run here."""
-    from engine.native import rows
-
-    totals: dict[str, list[float]] = {}
-    if not available():
-        yield totals
-        return
-    lib = kernels()
-    swapped: list[tuple[object, str, Callable[..., Any]]] = []
-
-    def wrap(owner: object, name: str, part: str) -> None:
-        fn = getattr(owner, name)
-        slot = totals.setdefault(part, [0.0, 0])
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                slot[0] += time.perf_counter() - t0
-                slot[1] += 1
-
-        swapped.append((owner, name, fn))
-        setattr(owner, name, run)
-
-    try:
-        for name, part in KERNEL_PARTS.items():
-            wrap(lib, name, part)
-        for name, part in ROW_PARTS.items():
-            wrap(rows, name, part)
-        yield totals
-    finally:
-        for owner, name, fn in reversed(swapped):
-            if owner is lib:
-                delattr(lib, name)  # the bound method again
-            else:
-                setattr(owner, name, fn)
-
-
 @torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the kernels run here (a constant to a compiled graph)."""
@@ -343,47 +281,6 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, sta
     if torch.compiler.is_compiling():
         return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
     return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst)
-
-
-class Unsettled:
-    """A window's delta rule that wrote only the state after its last position
-    (`delta_rule_last`): what `settle` needs to rebuild the state after any other."""
-
-    __slots__ = ("decay", "dst", "factors", "k", "slots", "src")
-
-    def __init__(self, slots: Tensor, src: Tensor, dst: Tensor, k: Tensor, factors: Tensor,
-                 decay: Tensor) -> None:
-        self.slots, self.src, self.dst = slots, src, dst
-        self.k, self.factors, self.decay = k, factors, decay
-
-    def settle(self, states: Tensor, slots: Tensor, n: Tensor) -> None:
-        """Before slots' commit of position n [B] (cache/state.py `commit`): the state after
-        position n of each of this window's rows that commits one before its last, written
-        into its ring entry, bit for bit what writing every position would have put there."""
-        match = self.slots[:, None] == slots[None, :]  # [window's rows, committed rows]
-        kept = torch.where(match.any(1), (match.long() * n[None, :]).sum(1), -1)
-        if bool((kept < self.k.shape[2] - 1).logical_and(kept >= 0).any()):
-            kernels().run_delta_settle(self.k, self.factors, self.decay, states, self.src,
-                                       self.dst, kept)
-
-
-def delta_rule_last(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
-                    states: Tensor, src: Tensor, dst: Tensor,
-                    slots: Tensor) -> tuple[Tensor, Unsettled] | None:
-    """`delta_rule` over a window that writes only the state after its last position (one
-    write of every head's state where `delta_rule` makes S), and keeps each position's
-    factor d_t [B, H, S, Dv], from which `Unsettled.settle` rebuilds the state after the
-    position a step keeps. Eager CPU passes only (None where `delta_rule` would be)."""
-    if torch.compiler.is_compiling() or not (
-            states.dtype == torch.float32 and states.is_contiguous()
-            and v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
-        return None
-    run = kernels()
-    k, decay = k.float().contiguous(), decay.float().contiguous()
-    src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
-    factors = torch.empty(v.shape, dtype=torch.float32)
-    out = run.run_delta_rule(q, k, v, decay, beta, states, src, dst, factors)
-    return out, Unsettled(slots, src, dst, k, factors, decay)
 
 
 GdnShape = tuple[int, int, int, int, int]  # key heads, value heads, Dk, Dv, conv kernel

@@ -167,11 +167,11 @@ int delta_rule(const float *q, const float *k, const float *v, const float *a,
    0 <= n[row] < S - 1 (the last position's was written), rebuilt from the committed one at
    src[row] into dst[row*S + n[row]] (offsets as delta_rule's) by the pass's own factors:
    S_t = k_t d_t^T + a_t S_{t-1} element by element, the same operations in the same order as
-   the pass made them, so the same bits. k [B, H, S, Dk], d [B, H, S, Dv], a [B, H, S]. */
-int delta_settle(const float *k, const float *d, const float *a, float *states,
-                 const int64_t *src, const int64_t *dst, const int64_t *n, int64_t B,
-                 int64_t H, int64_t S, int64_t Dk, int64_t Dv, int threads) {
-    if (Dv % 16 != 0) return -1;
+   the pass made them, so the same bits. k [B, H, S, Dk], d [B, H, S, Dv] (Dv a multiple of
+   16, as delta_rule takes), a [B, H, S]. */
+void delta_settle(const float *k, const float *d, const float *a, float *states,
+                  const int64_t *src, const int64_t *dst, const int64_t *n, int64_t B,
+                  int64_t H, int64_t S, int64_t Dk, int64_t Dv, int threads) {
 #pragma omp parallel for schedule(static) collapse(2) num_threads(threads) if (threads > 1)
     for (int64_t r = 0; r < B; r++)
         for (int64_t h = 0; h < H; h++) {
@@ -195,5 +195,4 @@ int delta_settle(const float *k, const float *d, const float *a, float *states,
                 }
         }
     _mm_sfence();
-    return 0;
 }
