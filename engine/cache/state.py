@@ -58,14 +58,15 @@ class StateCache:
         keeps each position's factor d_t [B, H, S, Dv], from which `settle` writes the state
         after the position the commit keeps. The output, or None where the kernel does not
         take these tensors (eager CPU passes only)."""
-        if torch.compiler.is_compiling() or not (
-                v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
+        if torch.compiler.is_compiling():  # a compiled pass writes every state
             return None
-        k, decay = k.float().contiguous(), decay.float().contiguous()
+        k, decay = k.float().contiguous(), decay.float().contiguous()  # as the kernel reads
         src, dst = self.state_offsets(slots, q.shape[2])
+        src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
         factors = torch.empty(v.shape, dtype=torch.float32)
-        out = native.kernels().run_delta_rule(q, k, v, decay, beta, self.state, src, dst, factors)
-        self.unsettled = Unsettled(slots, src, dst, k, factors, decay)
+        out = native.delta_rule(q, k, v, decay, beta, self.state, src, dst, factors)
+        if out is not None:
+            self.unsettled = Unsettled(slots, src, dst, k, factors, decay)
         return out
 
     def settle(self, slots: Tensor, n: Tensor) -> None:

@@ -95,9 +95,8 @@ class Kernels:
         return out
 
     def run_delta_settle(self, k: Tensor, factors: Tensor, decay: Tensor, states: Tensor,
-                         src: Tensor, dst: Tensor, n: Tensor) -> None:
-        """deltanet.c `delta_settle` (n: int64, contiguous), after `run_delta_rule(factors)`."""
-        self._settle(k.data_ptr(), factors.data_ptr(), decay.data_ptr(), states.data_ptr(),
+                         src: Tensor, dst: Tensor, n: Tensor) -> None:  # n: int64, contiguous
+            self._settle(k.data_ptr(), factors.data_ptr(), decay.data_ptr(), states.data_ptr(),
                      src.data_ptr(), dst.data_ptr(), n.data_ptr(), *k.shape, factors.shape[-1],
                      torch.get_num_threads())
 
@@ -270,17 +269,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None 
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
-               src: Tensor, dst: Tensor) -> Tensor | None:
+               src: Tensor, dst: Tensor, d: Tensor | None = None) -> Tensor | None:
     """`deltanet.recurrent` over q, k [B, H, S, Dk], v [B, H, S, Dv], decay (a_t, not its
-    log) and beta [B, H, S], reading each row's state at element offset src [B] of `states`
-    (fp32, contiguous: the cache's ring) and writing the state after each position at
-    dst [B, S]. Returns o [B, H, S, Dv]; None for shapes it does not take."""
-    if not (states.dtype == torch.float32 and states.is_contiguous()
-            and v.shape[-1] % 16 == 0 and v.shape[-1] <= 256 and q.shape[2] <= 64):
+    log), beta [B, H, S], each row's state at element offset src [B] of `states` (fp32,
+    contiguous: the cache's ring), the state after each position to dst [B, S] (with d, eager
+    only: the last's, and each position's factor into d [B, H, S, Dv]: deltanet.c). Returns
+    o [B, H, S, Dv]; None for shapes it does not take."""
+    if not (states.dtype == torch.float32 and states.is_contiguous() and v.shape[-1] % 16 == 0
+            and v.shape[-1] <= 256 and q.shape[2] <= 64):
         return None
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (never with d: see StateCache.delta_rule_last)
         return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
-    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst)
+    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst, d)
 
 
 GdnShape = tuple[int, int, int, int, int]  # key heads, value heads, Dk, Dv, conv kernel
