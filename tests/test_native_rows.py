@@ -54,6 +54,11 @@ def test_the_norm_and_the_residual_add_are_torchs_within_a_bit_and_each_row_its_
     assert torch.equal(h, x + res)  # the add rounds as torch's
     assert _ulps(after, _torch_norm(h, norm)) <= 1
     assert torch.equal(alone, got)
+    with torch.inference_mode():  # rows not dim apart, a residual broadcast: the views' path
+        assert torch.equal(norm(x.transpose(0, 1)), got.transpose(0, 1))
+        wide = norm.residual(x, res[:, :1])
+        assert all(torch.equal(a, b) for a, b in
+                   zip(wide, norm.residual(x, res[:, :1].expand_as(x).contiguous()), strict=True))
     with torch.enable_grad():  # training: torch's operators, exactly
         assert torch.equal(norm(x), _torch_norm(x, norm))
 
@@ -66,6 +71,9 @@ def test_the_swiglu_gate_is_torchs_within_a_bit_and_each_row_its_own() -> None:
         alone = torch.cat([rows.silu_mul(gu[i:i + 1]) for i in range(4)])
     assert _ulps(got, F.silu(gate) * up) <= 1
     assert torch.equal(got, alone)
+    padded = torch.cat([gu, gu[:, :8]], dim=-1)[:, :400]  # rows 408 apart
+    with torch.inference_mode():
+        assert torch.equal(rows.silu_mul(padded), got)
 
 
 @pytest.mark.parametrize(("bsz", "seqlen", "heads", "dim", "rot"),

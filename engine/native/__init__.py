@@ -149,18 +149,16 @@ class Kernels:
 
     def run_linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
                    group: int) -> Tensor:
-        dtype = x.dtype
-        rows = x.reshape(-1, x.shape[-1])
-        if dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        rows = rows.contiguous()
-        y = torch.empty(rows.shape[0], n, dtype=rows.dtype)
-        if self._linear(w.data_ptr(), bits, n, rows.shape[1], group,
+        dtype, k = x.dtype, x.shape[-1]
+        rows = x if dtype in (torch.float32, torch.bfloat16) else x.float()
+        rows = rows.contiguous()  # x itself, the usual case: no view made
+        y = rows.new_empty(*x.shape[:-1], n)
+        if self._linear(w.data_ptr(), bits, n, k, group,
                     None if bias is None else bias.data_ptr(), rows.data_ptr(), y.data_ptr(),
-                    rows.shape[0], int(rows.dtype == torch.bfloat16),
+                    rows.numel() // max(k, 1), int(rows.dtype == torch.bfloat16),
                     torch.get_num_threads()) != 0:
             raise MemoryError("the int8/int4 kernel could not allocate its scratch memory")
-        return y.to(dtype).view(*x.shape[:-1], n)
+        return y.to(dtype)
 
 
 @functools.cache

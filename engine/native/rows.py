@@ -64,6 +64,17 @@ def rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
 
 def _rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
               residual: Tensor | None) -> tuple[Tensor, Tensor]:
+    dim = x.shape[-1]
+    if x.is_contiguous() and weight.is_contiguous() and (
+            residual is None or (residual.shape == x.shape and residual.is_contiguous())):
+        # The usual case, rows dim apart, without the views below: a decode step makes two
+        # of these a layer, and their torch calls cost more than the kernel.
+        out = torch.empty_like(x)
+        h = x if residual is None else torch.empty_like(x)
+        _fns()[0](x.data_ptr(), dim, None if residual is None else residual.data_ptr(), dim,
+                  None if residual is None else h.data_ptr(), x.numel() // max(dim, 1), dim,
+                  weight.data_ptr(), offset, eps, int(upcast), out.data_ptr())
+        return h, out
     weight = weight.contiguous()
     rows = _rows(x)
     n, dim = rows.shape
@@ -87,6 +98,12 @@ def silu_mul(gu: Tensor) -> Tensor:
 
 
 def _silu_mul(gu: Tensor) -> Tensor:
+    if gu.is_contiguous():  # rows 2 width apart, without a view
+        width = gu.shape[-1] // 2
+        out = gu.new_empty(*gu.shape[:-1], width)
+        _fns()[1](gu.data_ptr(), 2 * width, gu.numel() // max(2 * width, 1), width,
+                  out.data_ptr())
+        return out
     rows = _rows(gu)
     width = rows.shape[1] // 2
     out = torch.empty(*gu.shape[:-1], width, dtype=gu.dtype)
@@ -110,8 +127,12 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     bsz, seqlen, heads, dim = x.shape
     rot = cos.shape[-1]
-    c, s = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
-    out = torch.empty(x.shape, dtype=x.dtype)
+    if cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() \
+            == bsz * seqlen * rot:  # a row of each a position already: no views
+        c, s = cos, sin
+    else:
+        c, s = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _fns()[2](x.data_ptr(), x.stride(1), x.stride(2), bsz * seqlen, heads, dim,
               c.data_ptr(), s.data_ptr(), rot, out.data_ptr())
     return out
