@@ -96,7 +96,7 @@ class Kernels:
 
     def run_delta_settle(self, k: Tensor, factors: Tensor, decay: Tensor, states: Tensor,
                          src: Tensor, dst: Tensor, n: Tensor) -> None:  # n: int64, contiguous
-            self._settle(k.data_ptr(), factors.data_ptr(), decay.data_ptr(), states.data_ptr(),
+        self._settle(k.data_ptr(), factors.data_ptr(), decay.data_ptr(), states.data_ptr(),
                      src.data_ptr(), dst.data_ptr(), n.data_ptr(), *k.shape, factors.shape[-1],
                      torch.get_num_threads())
 

@@ -53,6 +53,17 @@ def _rows(x: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _row_layout(x: Tensor) -> tuple[Tensor, int, int]:
+    """(t, stride, n): x's n rows of its last dim in t's memory, `stride` elements apart. A
+    contiguous x (a decode step's usual case) is its own, with no view made: their torch
+    calls cost more than the kernels for a decode row."""
+    dim = x.shape[-1]
+    if x.is_contiguous():
+        return x, dim, x.numel() // max(dim, 1)
+    rows = _rows(x)
+    return rows, rows.stride(0), rows.shape[0]
+
+
 def rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
              residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(h, y): h = x + residual (x itself without one), y its RMSNorm (see rows.c) by the
@@ -64,29 +75,17 @@ def rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
 
 def _rms_norm(x: Tensor, weight: Tensor, offset: float, eps: float, upcast: bool,
               residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    dim = x.shape[-1]
-    if x.is_contiguous() and weight.is_contiguous() and (
-            residual is None or (residual.shape == x.shape and residual.is_contiguous())):
-        # The usual case, rows dim apart, without the views below: a decode step makes two
-        # of these a layer, and their torch calls cost more than the kernel.
-        out = torch.empty_like(x)
-        h = x if residual is None else torch.empty_like(x)
-        _fns()[0](x.data_ptr(), dim, None if residual is None else residual.data_ptr(), dim,
-                  None if residual is None else h.data_ptr(), x.numel() // max(dim, 1), dim,
-                  weight.data_ptr(), offset, eps, int(upcast), out.data_ptr())
-        return h, out
     weight = weight.contiguous()
-    rows = _rows(x)
-    n, dim = rows.shape
-    out = torch.empty(x.shape, dtype=x.dtype)
-    h = x
-    res = None
+    rows, stride, n = _row_layout(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h, res, res_stride = x, None, 0
     if residual is not None:
-        res = _rows(residual.expand(x.shape))
-        h = torch.empty(x.shape, dtype=x.dtype)
-    _fns()[0](rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
-              0 if res is None else res.stride(0), h.data_ptr() if res is not None else None,
-              n, dim, weight.data_ptr(), offset, eps, int(upcast), out.data_ptr())
+        res, res_stride, _ = _row_layout(
+            residual if residual.shape == x.shape else residual.expand(x.shape))
+        h = torch.empty_like(out)
+    _fns()[0](rows.data_ptr(), stride, None if res is None else res.data_ptr(), res_stride,
+              None if res is None else h.data_ptr(), n, x.shape[-1], weight.data_ptr(), offset,
+              eps, int(upcast), out.data_ptr())
     return h, out
 
 
@@ -98,16 +97,10 @@ def silu_mul(gu: Tensor) -> Tensor:
 
 
 def _silu_mul(gu: Tensor) -> Tensor:
-    if gu.is_contiguous():  # rows 2 width apart, without a view
-        width = gu.shape[-1] // 2
-        out = gu.new_empty(*gu.shape[:-1], width)
-        _fns()[1](gu.data_ptr(), 2 * width, gu.numel() // max(2 * width, 1), width,
-                  out.data_ptr())
-        return out
-    rows = _rows(gu)
-    width = rows.shape[1] // 2
-    out = torch.empty(*gu.shape[:-1], width, dtype=gu.dtype)
-    _fns()[1](rows.data_ptr(), rows.stride(0), rows.shape[0], width, out.data_ptr())
+    rows, stride, n = _row_layout(gu)
+    width = gu.shape[-1] // 2
+    out = gu.new_empty(*gu.shape[:-1], width)
+    _fns()[1](rows.data_ptr(), stride, n, width, out.data_ptr())
     return out
 
 
