@@ -112,12 +112,13 @@ def test_the_compiled_kernels_are_kept_and_reused(tmp_path: Path) -> None:
     assert built[0].stat().st_mtime_ns == stamp
 
 
-def _attention_case(dtype: torch.dtype, seed: int = 0,
-                    dim: int = 128) -> tuple[torch.Tensor, ...]:
+def _attention_case(dtype: torch.dtype, seed: int = 0, dim: int = 128,
+                    heads: tuple[int, int] = (6, 2)) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    cache_k = torch.randn(3, 2, 96, dim, generator=gen).to(dtype)  # [slots, Hkv, len, D]
-    cache_v = torch.randn(3, 2, 96, dim, generator=gen).to(dtype)
-    q = torch.randn(2, 6, 4, dim, generator=gen).to(dtype)  # [B, H, S, D]
+    hq, hkv = heads
+    cache_k = torch.randn(3, hkv, 96, dim, generator=gen).to(dtype)  # [slots, Hkv, len, D]
+    cache_v = torch.randn(3, hkv, 96, dim, generator=gen).to(dtype)
+    q = torch.randn(2, hq, 4, dim, generator=gen).to(dtype)  # [B, H, S, D]
     pos = torch.tensor([[0, 1, 2, 3], [40, 41, 42, 63]])
     return cache_k, cache_v, q, pos
 
@@ -127,17 +128,21 @@ def _attention_case(dtype: torch.dtype, seed: int = 0,
                                             (torch.bfloat16, True)],
                          ids=["fp32", "bf16", "bf16-dot-products"])
 @pytest.mark.parametrize("dim", [128, 80])  # values 64 lanes at a time; 80: 64, then 16
+@pytest.mark.parametrize("heads", [(6, 2), (12, 1)])
 def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
-        dtype: torch.dtype, dot: bool, dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        dtype: torch.dtype, dot: bool, dim: int, heads: tuple[int, int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Both ways of scoring bf16 keys: converted to fp32, and by bf16 dot products where the
-    CPU has them (AVX512-BF16). A row alone (a tile of 6 query rows) and among 24 (tiles of
-    16 and 8, scored 4, 2 and 1 rows at a time, their values 6, 4 and 2): the same bits."""
+    CPU has them (AVX512-BF16). A row alone (3 or 12 query rows a kv head) and among 4
+    positions (12 rows, or 48: tiles of 32 and 16), scored 4, 2 and 1 rows at a time, their
+    values 6, 4, 2 and 1: the same bits. And q as a projection makes it ([B, S, H, D] seen
+    as [B, H, S, D]): the same bits, written in that layout."""
     from engine.model.attention import masked_attention
 
     if dot and not native.kernels().bf16_dot:
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     monkeypatch.setattr(native.kernels(), "bf16_dot", dot)
-    cache_k, cache_v, q, pos = _attention_case(dtype, dim=dim)
+    cache_k, cache_v, q, pos = _attention_case(dtype, dim=dim, heads=heads)
     kernel = native
     k, v = cache_k[1:3, :, :64], cache_v[1:3, :, :64]  # slots 1, 2; a bucket of 64 keys
     got = kernel.attention(q, k, v, pos)
@@ -153,6 +158,10 @@ def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
             alone = kernel.attention(q[b:b + 1, :, s:s + 1], k[b:b + 1], v[b:b + 1],
                                      pos[b:b + 1, s:s + 1])
             assert torch.equal(alone, got[b:b + 1, :, s:s + 1])
+    projected = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] underneath
+    seen = kernel.attention(projected, k, v, pos)
+    assert seen is not None and seen.stride() == projected.stride()
+    assert torch.equal(seen, got)
 
 
 @needs_vnni

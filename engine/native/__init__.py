@@ -56,7 +56,7 @@ class Kernels:
         att = lib.causal_attention
         att.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        att.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr,
+        att.argtypes = [ptr, *[i64] * 10, ctypes.c_int, ptr, ptr, *[i64] * 4, ptr, ptr,
                         ctypes.c_int, ctypes.c_float, i64, i64, ctypes.c_int, ctypes.c_int]
         self._attention = att
         # attention's scores of bf16 queries and keys by bf16 dot products (attention.c)
@@ -106,17 +106,19 @@ class Kernels:
         if ring and not 0 < window <= ring <= k.shape[2]:
             raise ValueError(f"a ring of {ring} keys needs a window in (0, {ring}] and a "
                              f"cache of at least {ring} entries, got {window} and {k.shape[2]}")
-        qf = q.float().contiguous()
-        positions = pos.to(torch.int64).contiguous()
-        out = torch.empty_like(qf)
-        if self._attention(qf.data_ptr(), bsz, heads, seqlen, dim, k.data_ptr(), v.data_ptr(),
-                           k.shape[1], k.stride(0), k.stride(1), k.shape[2],
-                           positions.data_ptr(), out.data_ptr(), int(k.dtype == torch.bfloat16),
-                           dim ** -0.5 if scale is None else scale, window, ring,
-                           torch.get_num_threads(),
+        # q read, and the output written, in q's layout and dtype: no copy either way
+        qf = q if q.dtype in (torch.float32, torch.bfloat16) and q.stride(-1) == 1 \
+            else q.float().contiguous()
+        positions, out = pos.to(torch.int64).contiguous(), torch.empty_like(qf)
+        if self._attention(qf.data_ptr(), bsz, heads, seqlen, dim, *qf.stride()[:3],
+                           *out.stride()[:3], int(qf.dtype == torch.bfloat16),
+                           k.data_ptr(), v.data_ptr(), k.shape[1], k.stride(0), k.stride(1),
+                           k.shape[2], positions.data_ptr(), out.data_ptr(),
+                           int(k.dtype == torch.bfloat16), dim ** -0.5 if scale is None else scale,
+                           window, ring, torch.get_num_threads(),
                            int(self.bf16_dot and q.dtype == torch.bfloat16)) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
-        return out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def run_gdn_prepare(self, proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor,
                         slots: Tensor, weight: Tensor, a_log: Tensor,
@@ -150,15 +152,15 @@ class Kernels:
     def run_linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
                    group: int) -> Tensor:
         dtype, k = x.dtype, x.shape[-1]
-        rows = x if dtype in (torch.float32, torch.bfloat16) else x.float()
-        rows = rows.contiguous()  # x itself, the usual case: no view made
+        # x itself, the usual case: no view made
+        rows = (x if dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
         y = rows.new_empty(*x.shape[:-1], n)
         if self._linear(w.data_ptr(), bits, n, k, group,
                     None if bias is None else bias.data_ptr(), rows.data_ptr(), y.data_ptr(),
                     rows.numel() // max(k, 1), int(rows.dtype == torch.bfloat16),
                     torch.get_num_threads()) != 0:
             raise MemoryError("the int8/int4 kernel could not allocate its scratch memory")
-        return y.to(dtype)
+        return y if y.dtype == dtype else y.to(dtype)  # (a conversion to itself costs ~4 us)
 
 
 @functools.cache
@@ -376,8 +378,8 @@ def _(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) 
 
 @torch.library.custom_op("ahead::causal_attention", mutates_args=())
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
-                      window: int, ring: int) -> Tensor:
-    return kernels().run_attention(q, k, v, pos, scale, window, ring)
+                      window: int, ring: int) -> Tensor:  # contiguous, as the fake says
+    return kernels().run_attention(q, k, v, pos, scale, window, ring).contiguous()
 
 
 @_causal_attention.register_fake
