@@ -290,7 +290,7 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
     if (D % 16 != 0 || D > 512 || H % Hkv != 0) return -1;
     const int dot = bf16_dot && bf16 && D % 32 == 0;
     if (ring && (window <= 0 || window > ring || ring > kv_len)) return -1;
-    const int64_t group = H / Hkv, rows_all = group * S;
+    const int64_t group = H / Hkv, rows_all = group * S, osize = qbf16 ? 2 : 4;
     const int64_t tiles = (rows_all + MAX_TILE - 1) / MAX_TILE;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -325,9 +325,9 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
                         const int64_t p = pos[b * S + s];
                         const int64_t n = p < 0 ? 0 : ring || p < kv_len ? p + 1 : kv_len;
                         const int64_t qi = b * qsb + h * qsh + s * qss;
-                        void *o = (char *)out + (b * osb + h * osh + s * oss) * (qbf16 ? 2 : 4);
+                        void *o = (char *)out + (b * osb + h * osh + s * oss) * osize;
                         if (n == 0) {
-                            memset(o, 0, (qbf16 ? 2 : 4) * (size_t)D);
+                            memset(o, 0, (size_t)(osize * D));
                             continue;
                         }
                         float *qr = scaled + rows * D;
