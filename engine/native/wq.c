@@ -8,8 +8,8 @@ with w = q s + m and a = qa sa, sum_k w a = sa (s sum q qa + m sum qa).
 Why not torch's weight-only kernels: they run one row at a time and reread the weights for
 every row. Here the weights stream once per call, a tile of 16 outputs at a time (int4 calls
 of fewer than 8 rows: two tiles at a time, `pair_rows`), and every row of the call is
-multiplied by the tile while it is in registers: on a memory-bound machine a call of a few rows (a speculative verify) costs
-about what one row costs.
+multiplied by the tile while it is in registers: on a memory-bound machine a call of a few
+rows (a speculative verify) costs about what one row costs.
 
 A row's result depends on that row alone: its int8 codes and scales come from its own
 values, int32 sums are exact in any order, and the float sums over groups run in the same
