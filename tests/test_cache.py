@@ -112,3 +112,33 @@ def test_a_slot_resumes_from_its_latest_checkpoint_before_the_cut() -> None:
     dense = Slot(0, 1024, checkpoints=0)
     dense.hold(seq, 299)
     assert dense.cut_to(seq[:150]) == (149, None)
+
+
+def test_recurrent_layers_share_their_ring_offsets_until_a_commit_moves_them() -> None:
+    """Every recurrent layer of a pass reads and writes the same ring entries: the first
+    layer's offsets serve the rest (`RingOffsets`), and a commit, which moves the committed
+    entries, makes them computed again."""
+    model = Transformer(PRESETS["tiny-qwen3.5"]).eval()
+    caches = Caches(model, num_slots=3, max_seq_len=64, scratch=0, widest=4)
+    states = caches.states()
+    assert len(states) > 1 and all(s.offsets is caches.offsets for s in states)
+
+    def fresh(slots: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = states[0].state_offsets(slots, positions)
+        return src.to(torch.int64), dst.to(torch.int64)
+
+    for slots, n in ((torch.tensor([1]), torch.tensor([2])),
+                     (torch.tensor([2, 0]), torch.tensor([0, 3])),
+                     (torch.tensor([1]), torch.tensor([3]))):
+        for positions in (1, 4):
+            want = fresh(slots, positions)
+            first = states[0].kernel_offsets(slots, positions)
+            for cache in states:
+                got = cache.kernel_offsets(slots, positions)
+                assert got[0] is first[0] and got[1] is first[1]  # computed once a pass
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        before = fresh(slots, 4)
+        caches.commit(slots, n)  # the committed entries move: new offsets
+        assert not torch.equal(fresh(slots, 4)[0], before[0])
+        assert all(torch.equal(g, w) for g, w in
+                   zip(states[-1].kernel_offsets(slots, 4), fresh(slots, 4), strict=True))

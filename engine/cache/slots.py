@@ -29,7 +29,7 @@ from torch import Tensor
 
 from engine.cache.kv import KEY_BLOCK, KVCache
 from engine.cache.ring import Ring, RingCache
-from engine.cache.state import StateCache, commit
+from engine.cache.state import RingOffsets, StateCache, commit
 from engine.model.config import LINEAR, SLIDING
 from engine.model.layers import rope_tables
 from engine.model.transformer import Transformer
@@ -78,6 +78,7 @@ class Caches:
         # Which recurrent-state snapshot each slot has committed (see cache/state.py).
         self.state_index = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.snapshots = widest + 1  # recurrent states per slot and layer
+        self.offsets = RingOffsets()  # where in their rings a pass reads and writes them
         window = cfg.sliding_window if SLIDING in cfg.layer_types else 0
         self.chunk = min(PREFILL_CHUNK, max(MIN_CHUNK, window)) if window else PREFILL_CHUNK
         need = window + 1  # the assistant's sliding layers see one key more
@@ -92,7 +93,7 @@ class Caches:
                               cfg.linear_v_head_dim, cfg.linear_conv_kernel,
                               cfg.linear_num_v_heads, cfg.linear_k_head_dim,
                               cfg.linear_v_head_dim, self.state_index, self.dtype,
-                              self.checkpoints)
+                              self.checkpoints, self.offsets)
 
         def attention(kind: str) -> KVCache:
             own = cfg.for_kind(kind)  # Gemma 4's layer kinds differ in heads and head size
@@ -118,9 +119,14 @@ class Caches:
 
     def commit(self, slots: Tensor, n: Tensor) -> None:
         """Commit each slot's recurrent state after position n [B] of the last pass."""
+        kept: tuple[Tensor, Tensor] | None = None  # a pass's rows (its layers share them), kept
         for cache in self.states():
-            cache.settle(slots, n)
+            u = cache.unsettled
+            if u is not None and (kept is None or kept[0] is not u.slots):
+                kept = (u.slots, u.kept(slots, n))
+            cache.settle(slots, n, None if u is None or kept is None else kept[1])
         commit(self.state_index, self.snapshots, slots, n)
+        self.offsets.forget()
 
     def clear_state(self, slots: Tensor) -> None:
         for cache in self.states():

@@ -32,13 +32,16 @@ class StateCache:
     the convolution) and the delta rule's [slots, R, H, Dk, Dv] in fp32; and as many saved
     ones, [slots, P, ...] each."""
 
-    __slots__ = ("conv", "index", "ring", "saved_conv", "saved_state", "state", "unsettled")
+    __slots__ = ("conv", "index", "offsets", "ring", "saved_conv", "saved_state", "state",
+                 "unsettled")
 
     def __init__(self, num_slots: int, ring: int, conv_size: int, kernel: int, num_heads: int,
                  k_dim: int, v_dim: int, index: Tensor, dtype: torch.dtype,
-                 saved: int = 0) -> None:
+                 saved: int = 0, offsets: RingOffsets | None = None) -> None:
         device = index.device
         self.ring, self.index = ring, index  # index [slots]: shared by every layer
+        # Shared by the layers of one model, which all have this one's shapes (Caches).
+        self.offsets = offsets
 
         def states(n: int) -> tuple[Tensor, Tensor]:
             return (torch.zeros(num_slots, n, conv_size, kernel - 1, device=device, dtype=dtype),
@@ -61,19 +64,20 @@ class StateCache:
         if torch.compiler.is_compiling():  # a compiled pass writes every state
             return None
         k, decay = k.float().contiguous(), decay.float().contiguous()  # as the kernel reads
-        src, dst = self.state_offsets(slots, q.shape[2])
-        src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+        src, dst = self.kernel_offsets(slots, q.shape[2])
         factors = torch.empty(v.shape, dtype=torch.float32)
         out = native.delta_rule(q, k, v, decay, beta, self.state, src, dst, factors)
         if out is not None:
             self.unsettled = Unsettled(slots, src, dst, k, factors, decay)
         return out
 
-    def settle(self, slots: Tensor, n: Tensor) -> None:
+    def settle(self, slots: Tensor, n: Tensor, kept: Tensor | None = None) -> None:
         """Before slots commit the state after position n [B] of the last pass: that state
-        written into its ring entry where the pass left it out (`unsettled`)."""
+        written into its ring entry where the pass left it out (`unsettled`). `kept`: what
+        `Unsettled.kept` gives for them, where the caller has it already."""
         if self.unsettled is not None:
-            self.unsettled.settle(self.state, slots, n)
+            u = self.unsettled
+            u.settle(self.state, u.kept(slots, n) if kept is None else kept)
             self.unsettled = None
 
     def read_conv(self, slots: Tensor) -> Tensor:
@@ -102,6 +106,14 @@ class StateCache:
         entry, first = self.state[0, 0].numel(), slots * self.ring
         return (first + self.index[slots]) * entry, \
             (first[:, None] + self._after(slots, positions)) * entry
+
+    def kernel_offsets(self, slots: Tensor, positions: int) -> tuple[Tensor, Tensor]:
+        """`state_offsets` as the kernels take them (int64, contiguous), from the shared
+        `offsets` where this cache has them (not in a compiled pass: computed in its graph)."""
+        if self.offsets is not None and not torch.compiler.is_compiling():
+            return self.offsets.get(self, slots, positions)
+        src, dst = self.state_offsets(slots, positions)
+        return src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
 
     def _after(self, slots: Tensor, positions: int) -> Tensor:
         """The ring entries [B, S] of the states after each of `positions` positions."""
@@ -133,6 +145,32 @@ class StateCache:
                    for t in (self.conv, self.state, self.saved_conv, self.saved_state))
 
 
+class RingOffsets:
+    """`StateCache.kernel_offsets` for the pass under way, shared by the recurrent layers of
+    one model: they share `index` and their shapes, so their offsets are the same, and the
+    first layer of a pass computes them for the rest. Forgotten at each commit, which is what
+    moves `index`. CPU passes only (the kernels' own): the key reads the slots on the host.
+    Qwen3.5-2B's 18 layers, with the settle's kept positions likewise once a commit
+    (Caches.commit): 2.3 ms off a plain step, 3.3 off a verify of 4 positions."""
+
+    __slots__ = ("_memo",)
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple[tuple[int, ...], int], tuple[Tensor, Tensor]] = {}
+
+    def get(self, cache: StateCache, slots: Tensor, positions: int) -> tuple[Tensor, Tensor]:
+        key = (tuple(slots.tolist()), positions)
+        got = self._memo.get(key)
+        if got is None:
+            src, dst = cache.state_offsets(slots, positions)
+            got = self._memo[key] = (src.to(torch.int64).contiguous(),
+                                     dst.to(torch.int64).contiguous())
+        return got
+
+    def forget(self) -> None:
+        self._memo.clear()
+
+
 def commit(index: Tensor, ring: int, slots: Tensor, n: Tensor) -> None:
     """Make the state after position n [B] of the last pass (0: its first, or a prefill
     chunk's last) the committed one of `slots`."""
@@ -150,12 +188,17 @@ class Unsettled:
         self.slots, self.src, self.dst = slots, src, dst
         self.k, self.factors, self.decay = k, factors, decay
 
-    def settle(self, states: Tensor, slots: Tensor, n: Tensor) -> None:
-        """Before slots commit position n [B]: the state after position n of each of this
-        window's rows that keeps one before its last, written into its ring entry by
-        deltanet.c `delta_settle`, bit for bit what writing every position would have put
-        there. No host read (a fixed-shape step's commit): the kernel skips the other rows."""
+    def kept(self, slots: Tensor, n: Tensor) -> Tensor:
+        """Where `slots` commit position n [B]: the position each of this window's rows keeps
+        [rows], -1 for rows not committing (the same for every layer of a pass). No host read
+        (a fixed-shape step's commit)."""
         match = self.slots[:, None] == slots[None, :]  # [window's rows, committed rows]
-        kept = torch.where(match.any(1), (match.long() * n[None, :]).sum(1), -1).contiguous()
+        return torch.where(match.any(1), (match.long() * n[None, :]).sum(1), -1).contiguous()
+
+    def settle(self, states: Tensor, kept: Tensor) -> None:
+        """The state after position kept[row] of each of this window's rows that keeps one
+        before its last (`kept`), written into its ring entry by deltanet.c `delta_settle`,
+        bit for bit what writing every position would have put there; the kernel skips the
+        other rows."""
         native.kernels().run_delta_settle(self.k, self.factors, self.decay, states, self.src,
                                           self.dst, kept)

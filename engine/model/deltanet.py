@@ -148,7 +148,7 @@ class GatedDeltaNet(nn.Module):
         if seqlen > 1:  # a verify window: the state after its last position alone
             out = cache.delta_rule_last(q, k, v, decay, beta, batch.slots)
         else:
-            src, dst = cache.state_offsets(batch.slots, seqlen)
+            src, dst = cache.kernel_offsets(batch.slots, seqlen)
             out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
         if out is None:
             return None
@@ -192,7 +192,7 @@ def _recurrent_in_cache(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     written into the cache's ring in place; None elsewhere."""
     if q.device.type != "cpu" or not native.available():
         return None
-    src, dst = cache.state_offsets(slots, q.shape[2])
+    src, dst = cache.kernel_offsets(slots, q.shape[2])
     return native.delta_rule(q, k, v, same_path(torch.exp, g), beta, cache.state,
                                        src, dst)
 
