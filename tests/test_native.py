@@ -165,6 +165,31 @@ def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
 
 
 @needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqlen", [1, 4])
+def test_kv_write_writes_what_indexed_assignment_writes(dtype: torch.dtype,
+                                                         seqlen: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(3, 2, 40, 32, generator=gen).to(dtype)  # [slots, Hkv, length, D]
+    projected = torch.randn(2, seqlen, 2 * 2 * 32, generator=gen).to(dtype)  # [B, S, 2HD]
+    k, v = (t.view(2, seqlen, 2, 32).transpose(1, 2) for t in projected.split(64, -1))
+    slots = torch.tensor([2, 0])
+    at = torch.tensor([[5], [40 - seqlen]]) + torch.arange(seqlen)  # [B, S]: to the end
+    want_k, want_v = cache.clone(), cache.clone()
+    want_k[slots[:, None], :, at] = k.transpose(1, 2)
+    want_v[slots[:, None], :, at] = v.transpose(1, 2)
+    got_k, got_v = cache.clone(), cache.clone()
+    assert native.kv_write(got_k, got_v, k, v, slots, at)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # Outside the cache: nothing written, and the caller's assignment runs (and raises).
+    for bad_slots, bad_at in ((torch.tensor([3, 0]), at), (slots, at + 40), (slots, at - 50)):
+        assert not native.kv_write(got_k, got_v, k, v, bad_slots, bad_at)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # Tensors it does not take: another dtype than the cache's.
+    assert not native.kv_write(got_k, got_v, k.half(), v.half(), slots, at)
+
+
+@needs_vnni
 def test_attention_rows_past_the_keys_see_them_all_and_other_tensors_are_declined() -> None:
     cache_k, cache_v, q, pos = _attention_case(torch.float32)
     kernel = native

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from engine import native
+
 # Keys are read in whole blocks of this many: a cache holds whole blocks, an eager forward
 # reads the blocks up to its last position, and attention may sum block by block.
 KEY_BLOCK = 256
@@ -29,9 +31,10 @@ class KVCache:
     def update(self, batch: CacheBatch, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, S, D] at each row's slot and positions; the keys and values
         of those slots' first kv_len positions [B, Hkv, kv_len, D]."""
-        slots = batch.slots[:, None]  # [B, 1] against positions [B, S]
-        self.k[slots, :, batch.pos] = k.transpose(1, 2)  # indexed: [B, S, Hkv, D]
-        self.v[slots, :, batch.pos] = v.transpose(1, 2)
+        if not native.kv_write(self.k, self.v, k, v, batch.slots, batch.pos):
+            slots = batch.slots[:, None]  # [B, 1] against positions [B, S]
+            self.k[slots, :, batch.pos] = k.transpose(1, 2)  # indexed: [B, S, Hkv, D]
+            self.v[slots, :, batch.pos] = v.transpose(1, 2)
         return self.read(batch)
 
     def read(self, batch: CacheBatch) -> tuple[Tensor, Tensor]:

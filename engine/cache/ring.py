@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine import native
 from engine.cache.kv import CacheBatch, KVCache
 
 
@@ -64,8 +65,9 @@ class RingCache(KVCache):
         """Write k, v [B, Hkv, S, D] at each row's slot and positions' entries; the rows'
         whole rings [B, Hkv, size + 1, D]."""
         slots, at = batch.slots[:, None], self.entries(batch.pos)  # [B, 1], [B, S]
-        self.k[slots, :, at] = k.transpose(1, 2)  # indexed: [B, S, Hkv, D]
-        self.v[slots, :, at] = v.transpose(1, 2)
+        if not native.kv_write(self.k, self.v, k, v, batch.slots, at):
+            self.k[slots, :, at] = k.transpose(1, 2)  # indexed: [B, S, Hkv, D]
+            self.v[slots, :, at] = v.transpose(1, 2)
         return self.read(batch)
 
     def read(self, batch: CacheBatch) -> tuple[Tensor, Tensor]:

@@ -59,6 +59,10 @@ class Kernels:
         att.argtypes = [ptr, *[i64] * 10, ctypes.c_int, ptr, ptr, *[i64] * 4, ptr, ptr,
                         ctypes.c_int, ctypes.c_float, i64, i64, ctypes.c_int, ctypes.c_int]
         self._attention = att
+        kv = lib.kv_write
+        kv.restype = ctypes.c_int
+        kv.argtypes = [ptr, ptr, *[i64] * 7, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 3]
+        self._kv_write = kv
         # attention's scores of bf16 queries and keys by bf16 dot products (attention.c)
         self.bf16_dot = "avx512_bf16" in (_cpu_flags() or set())
         delta = lib.delta_rule
@@ -119,6 +123,15 @@ class Kernels:
                            int(self.bf16_dot and q.dtype == torch.bfloat16)) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    def run_kv_write(self, cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
+                     slots: Tensor, at: Tensor) -> bool:
+        bsz, heads, seqlen, dim = k.shape
+        slots, at = slots.to(torch.int64).contiguous(), at.to(torch.int64).contiguous()
+        return self._kv_write(k.data_ptr(), v.data_ptr(), bsz, heads, seqlen, dim,
+                              *k.stride()[:3], cache_k.data_ptr(), cache_v.data_ptr(),
+                              *cache_k.stride()[:2], slots.data_ptr(), at.data_ptr(),
+                              cache_k.shape[0], cache_k.shape[2], k.element_size()) == 0
 
     def run_gdn_prepare(self, proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor,
                         slots: Tensor, weight: Tensor, a_log: Tensor,
@@ -266,6 +279,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None 
     if torch.compiler.is_compiling():
         return torch.ops.ahead.causal_attention(q, k, v, pos, scale, window, ring)
     return kernels().run_attention(q, k, v, pos, scale, window, ring)
+
+
+def kv_write(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor, slots: Tensor,
+             at: Tensor) -> bool:
+    """k, v [B, Hkv, S, D] into the caches [slots, Hkv, length, D] at row b's slot slots[b]
+    and entries at[b] [S], as `cache_k[slots[:, None], :, at] = k.transpose(1, 2)` (v
+    alike) writes them. False, writing nothing, where these tensors are not ones it takes
+    (then the caller's indexed assignment runs, and raises what it raises)."""
+    if not (available() and k.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not k.requires_grad and not v.requires_grad
+            and k.dtype == v.dtype == cache_k.dtype == cache_v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16)
+            and k.shape == v.shape and k.stride() == v.stride() and k.stride(-1) == 1
+            and cache_k.shape == cache_v.shape and cache_k.is_contiguous()
+            and cache_v.is_contiguous() and cache_k.shape[1] == k.shape[1]
+            and cache_k.shape[3] == k.shape[3] and at.shape == k.shape[::2]):
+        return False
+    return kernels().run_kv_write(cache_k, cache_v, k, v, slots, at)
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
