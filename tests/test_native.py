@@ -173,6 +173,7 @@ def test_kv_write_writes_what_indexed_assignment_writes(dtype: torch.dtype,
     cache = torch.randn(3, 2, 40, 32, generator=gen).to(dtype)  # [slots, Hkv, length, D]
     projected = torch.randn(2, seqlen, 2 * 2 * 32, generator=gen).to(dtype)  # [B, S, 2HD]
     k, v = (t.view(2, seqlen, 2, 32).transpose(1, 2) for t in projected.split(64, -1))
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # as rotated: other strides than v
     slots = torch.tensor([2, 0])
     at = torch.tensor([[5], [40 - seqlen]]) + torch.arange(seqlen)  # [B, S]: to the end
     want_k, want_v = cache.clone(), cache.clone()

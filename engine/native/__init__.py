@@ -61,7 +61,7 @@ class Kernels:
         self._attention = att
         kv = lib.kv_write
         kv.restype = ctypes.c_int
-        kv.argtypes = [ptr, ptr, *[i64] * 7, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 3]
+        kv.argtypes = [ptr, ptr, *[i64] * 10, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 3]
         self._kv_write = kv
         # attention's scores of bf16 queries and keys by bf16 dot products (attention.c)
         self.bf16_dot = "avx512_bf16" in (_cpu_flags() or set())
@@ -129,7 +129,8 @@ class Kernels:
         bsz, heads, seqlen, dim = k.shape
         slots, at = slots.to(torch.int64).contiguous(), at.to(torch.int64).contiguous()
         return self._kv_write(k.data_ptr(), v.data_ptr(), bsz, heads, seqlen, dim,
-                              *k.stride()[:3], cache_k.data_ptr(), cache_v.data_ptr(),
+                              *k.stride()[:3], *v.stride()[:3], cache_k.data_ptr(),
+                              cache_v.data_ptr(),
                               *cache_k.stride()[:2], slots.data_ptr(), at.data_ptr(),
                               cache_k.shape[0], cache_k.shape[2], k.element_size()) == 0
 
@@ -291,7 +292,7 @@ def kv_write(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor, slots: Tens
             and not k.requires_grad and not v.requires_grad
             and k.dtype == v.dtype == cache_k.dtype == cache_v.dtype
             and k.dtype in (torch.float32, torch.bfloat16)
-            and k.shape == v.shape and k.stride() == v.stride() and k.stride(-1) == 1
+            and k.shape == v.shape and k.stride(-1) == 1 and v.stride(-1) == 1
             and cache_k.shape == cache_v.shape and cache_k.is_contiguous()
             and cache_v.is_contiguous() and cache_k.shape[1] == k.shape[1]
             and cache_k.shape[3] == k.shape[3] and at.shape == k.shape[::2]):

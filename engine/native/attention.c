@@ -354,14 +354,15 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
 }
 
 /* A cached forward's keys and values into its slots' caches: row (b, s)'s head h, D
-   elements of `size` bytes at k + b*ksb + h*ksh + s*kss (v alike, with the same strides),
+   elements of `size` bytes at k + b*ksb + h*ksh + s*kss (v at v + b*vsb + h*vsh + s*vss),
    into entry at[b*S + s] of slot slots[b] (the cache's element (slot, h, entry, 0) at
    slot*csb + h*csh + entry*D, k and v caches alike). What torch's indexed assignment does
    (cache/kv.py), without the index tensors it builds for each layer: ~30 us a layer of a
    decode step there, a few here. Returns -1, writing nothing, where a slot or an entry is
    outside the cache (slots, length). */
 int kv_write(const void *k, const void *v, int64_t B, int64_t H, int64_t S, int64_t D,
-             int64_t ksb, int64_t ksh, int64_t kss, void *ck, void *cv, int64_t csb,
+             int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb, int64_t vsh, int64_t vss,
+             void *ck, void *cv, int64_t csb,
              int64_t csh, const int64_t *slots, const int64_t *at, int64_t num_slots,
              int64_t length, int64_t size) {
     for (int64_t b = 0; b < B; b++) {
@@ -372,10 +373,11 @@ int kv_write(const void *k, const void *v, int64_t B, int64_t H, int64_t S, int6
     for (int64_t b = 0; b < B; b++)
         for (int64_t s = 0; s < S; s++)
             for (int64_t h = 0; h < H; h++) {
-                const int64_t src = (b * ksb + h * ksh + s * kss) * size;
                 const int64_t dst = (slots[b] * csb + h * csh + at[b * S + s] * D) * size;
-                memcpy((char *)ck + dst, (const char *)k + src, (size_t)(D * size));
-                memcpy((char *)cv + dst, (const char *)v + src, (size_t)(D * size));
+                memcpy((char *)ck + dst, (const char *)k + (b * ksb + h * ksh + s * kss) * size,
+                       (size_t)(D * size));
+                memcpy((char *)cv + dst, (const char *)v + (b * vsb + h * vsh + s * vss) * size,
+                       (size_t)(D * size));
             }
     return 0;
 }
