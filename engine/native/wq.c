@@ -34,7 +34,8 @@ group of G inputs), tiles outer:
 typedef int32_t __attribute__((may_alias)) quad; /* 4 activation codes */
 
 #define MAX_ROWS 8
-#define PAIR_ROWS 4 /* rows of a pair of int4 tiles at a time: their accumulators fill the registers */
+/* Rows of a pair of int4 tiles at a time: their accumulators fill the registers. */
+#define PAIR_ROWS 4
 /* Prefetch distances in bytes ahead of the tile being multiplied: into L1 (the hardware
    prefetcher alone left one thread at 9.7 GB/s on Qwen2-1.5B's int4 weights where a copy
    reads 12.8) and, further on, into L2, so that memory keeps streaming while a call of
