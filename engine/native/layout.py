@@ -1,0 +1,64 @@
+"""The int4 and int8 weights' layout that wq.c multiplies (tiles of 16 outputs, groups of
+inputs), made from engine.model.quant's codes, and what the kernel computes from them in
+float64 (the tests' reference)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TILE = 16  # outputs a tile (wq.c's TILE)
+GROUPS = (128, 64, 32)  # inputs an activation group: the largest that divides the width
+
+
+def group_for(in_features: int) -> int | None:
+    """Inputs an activation group for a layer this wide, or None (not a multiple of 32)."""
+    return next((g for g in GROUPS if in_features % g == 0), None)
+
+
+def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
+    """wq.c's layout from engine.model.quant's codes: int4 codes [N, K / 2] (two a byte, low
+    nibble first) with scales [N, K / group, 2] (scale, value of code 8); int8 codes [N, K]
+    with one scale a row. Returns uint8 [tiles, K / group, block]."""
+    n = codes.shape[0]
+    pad = -n % TILE
+    tiles = (n + pad) // TILE
+    if mode == "int4":
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).view(n, -1)  # [N, K]
+        k = q.shape[1]
+        q = F.pad(q, (0, 0, 0, pad)).view(tiles, TILE, k // group, group // 8, 2, 4)
+        q = q.permute(0, 2, 3, 1, 5, 4)  # [T, groups, j, lane, byte, nibble]
+        body = (q[..., 0] | q[..., 1] << 4).reshape(tiles, k // group, group * 8)
+        s, m = scales[..., 0], scales[..., 1] - 8 * scales[..., 0]  # w = q s + m
+    else:
+        k = codes.shape[1]
+        u = (codes.to(torch.int16) + 128).to(torch.uint8)  # w = (u - 128) s
+        u = F.pad(u, (0, 0, 0, pad)).view(tiles, TILE, k // group, group // 4, 4)
+        body = u.permute(0, 2, 3, 1, 4).reshape(tiles, k // group, group * 16)
+        s = scales.float()[:, None].expand(n, k // group)
+        m = -128 * s
+    sm = F.pad(torch.stack([s, m], dim=-1), (0, 0, 0, 0, 0, pad))  # [N', groups, 2]
+    sm = sm.view(tiles, TILE, k // group, 2).permute(0, 2, 3, 1).to(torch.float16)
+    head = sm.contiguous().view(torch.uint8).view(tiles, k // group, 4 * TILE)
+    return torch.cat([body, head], dim=-1).contiguous()
+
+
+def reference(mode: str, codes: Tensor, scales: Tensor, group: int, x: Tensor,
+              bias: Tensor | None = None) -> Tensor:
+    """What the kernel computes, in float64 from the same quantities (tests): activations
+    coded per group as wq.c codes them, weights as `pack` stores them (fp16 scales)."""
+    n = codes.shape[0]
+    if mode == "int4":
+        s = scales[..., 0].half().double()
+        m = (scales[..., 1] - 8 * scales[..., 0]).half().double()
+        q = torch.stack([codes & 15, codes >> 4], dim=-1).view(n, -1, group).double()
+        w = (q * s[..., None] + m[..., None]).view(n, -1)
+    else:
+        w = codes.double() * scales.half().double()[:, None]
+    rows = x.reshape(-1, x.shape[-1]).float().view(-1, x.shape[-1] // group, group)
+    amax = rows.abs().amax(-1, keepdim=True)
+    qa = torch.round(rows * torch.where(amax > 0, 127 / amax, 0))
+    a = (qa.double() * (amax / 127).double()).view(rows.shape[0], -1)
+    y = a @ w.T + (0 if bias is None else bias.double())
+    return y.view(*x.shape[:-1], n)
