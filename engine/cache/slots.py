@@ -122,9 +122,11 @@ class Caches:
         kept: tuple[Tensor, Tensor] | None = None  # a pass's rows (its layers share them), kept
         for cache in self.states():
             u = cache.unsettled
-            if u is not None and (kept is None or kept[0] is not u.slots):
+            if u is None:  # nothing of this layer to settle
+                continue
+            if kept is None or kept[0] is not u.slots:
                 kept = (u.slots, u.kept(slots, n))
-            cache.settle(slots, n, None if u is None or kept is None else kept[1])
+            cache.settle(slots, n, kept[1])
         commit(self.state_index, self.snapshots, slots, n)
         self.offsets.forget()
 

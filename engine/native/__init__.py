@@ -134,8 +134,8 @@ class Kernels:
         slots, at = slots.to(torch.int64).contiguous(), at.to(torch.int64).contiguous()
         return self._kv_write(k.data_ptr(), v.data_ptr(), bsz, heads, seqlen, dim,
                               *k.stride()[:3], *v.stride()[:3], cache_k.data_ptr(),
-                              cache_v.data_ptr(),
-                              *cache_k.stride()[:2], slots.data_ptr(), at.data_ptr(),
+                              cache_v.data_ptr(), *cache_k.stride()[:2], slots.data_ptr(),
+                              at.data_ptr(),
                               cache_k.shape[0], cache_k.shape[2], k.element_size()) == 0
 
     def run_gdn_prepare(self, proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor,

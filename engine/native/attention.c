@@ -362,9 +362,8 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
    outside the cache (slots, length). */
 int kv_write(const void *k, const void *v, int64_t B, int64_t H, int64_t S, int64_t D,
              int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb, int64_t vsh, int64_t vss,
-             void *ck, void *cv, int64_t csb,
-             int64_t csh, const int64_t *slots, const int64_t *at, int64_t num_slots,
-             int64_t length, int64_t size) {
+             void *ck, void *cv, int64_t csb, int64_t csh, const int64_t *slots,
+             const int64_t *at, int64_t num_slots, int64_t length, int64_t size) {
     for (int64_t b = 0; b < B; b++) {
         if (slots[b] < 0 || slots[b] >= num_slots) return -1;
         for (int64_t s = 0; s < S; s++)
