@@ -42,7 +42,9 @@ typedef int32_t __attribute__((may_alias)) quad; /* 4 activation codes */
    several rows computes. A trunk's worth of int4 products by turns on the 2-core EPYC:
    2 KB into L1 alone gave 4 rows at 1.16-1.32x one row's time; 4 KB into L1 and 16 KB into
    L2, 1.03-1.06x, and one row ~10% faster on one thread. A pair of tiles reads two streams
-   a tile apart, so there each stream fetches its own bytes ahead (`pair_rows`). */
+   a tile apart, so there each stream fetches its own bytes ahead (`pair_rows`). int8 tiles
+   fetch into L1 alone: on the EPYC (Zen 5) the L2 fetches besides made 1 and 4 rows 10-15%
+   slower (Qwen2-1.5B's and Qwen3.5-2B's shapes, interleaved medians, DRAM-bound). */
 #define PREFETCH_L1 4096
 #define PREFETCH_L2 16384
 
@@ -135,8 +137,6 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int64_t j = 0; j < G / 4; j += 2) {
                 _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
                 _mm_prefetch((const char *)p + 64 * j + 64 + PREFETCH_L1, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L2, _MM_HINT_T1);
-                _mm_prefetch((const char *)p + 64 * j + 64 + PREFETCH_L2, _MM_HINT_T1);
                 __m512i v = _mm512_loadu_si512(p + 64 * j);
                 __m512i v2 = _mm512_loadu_si512(p + 64 * j + 64);
                 for (int r = 0; r < mr; r++) {
