@@ -165,7 +165,7 @@ static inline __attribute__((always_inline)) void tile_rows(
    other stream reads already, and left each tile's first 4 KB to demand misses. On the
    2-core EPYC (Zen 5) that, with no L2 fetches besides, made one row 0-20% faster and four
    rows 10-30% (Qwen2-1.5B's and Qwen3.5-2B's shapes, interleaved medians, DRAM-bound), four
-   rows now at 0.9-1.0x one row's time where they were at 1.0-1.12x. */
+   rows now at 0.9-1.0x one row's time where they were at 1.0-1.14x. */
 static inline __attribute__((always_inline)) void pair_rows(
         const uint8_t *w, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
