@@ -161,7 +161,8 @@ static inline __attribute__((always_inline)) void tile_rows(
    unchanged: the same int32 sums, and the float sums over groups in the same order.
    Each tile's stream fetches into L1 the line PREFETCH_L1 ahead of it in its own stream,
    which past the tile's end is the same place in the next pair (tile t + 2 or t + 3, the
-   next this thread reads): a fixed distance ran tile t's fetches into tile t + 1, which the
+   next this thread reads; after the last pair, bytes past the weights, a fetch the CPU drops
+   without a fault): a fixed distance ran tile t's fetches into tile t + 1, which the
    other stream reads already, and left each tile's first 4 KB to demand misses. On the
    2-core EPYC (Zen 5) that, with no L2 fetches besides, made one row 0-20% faster and four
    rows 10-30% (Qwen2-1.5B's and Qwen3.5-2B's shapes, interleaved medians, DRAM-bound), four
