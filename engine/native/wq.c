@@ -176,18 +176,17 @@ static inline __attribute__((always_inline)) void pair_rows(
     __m512 facc[2][PAIR_ROWS];
     for (int r = 0; r < mr; r++) facc[0][r] = facc[1][r] = _mm512_setzero_ps();
     const int64_t tile_bytes = ng * block;
-    const uint8_t *start[2] = {w + t * tile_bytes, w + (t + 1) * tile_bytes};
-    const uint8_t *p[2] = {start[0], start[1]};
+    const uint8_t *p[2] = {w + t * tile_bytes, w + (t + 1) * tile_bytes};
     for (int64_t g = 0; g < ng; g++, p[0] += block, p[1] += block) {
         __m512i acc[2][PAIR_ROWS];
         for (int r = 0; r < mr; r++) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
         const int8_t *a0 = qa + r0 * K + g * G;
         for (int64_t j = 0; j < G / 8; j++) {
             __m512i lo[2], hi[2];
-            const int64_t ahead = g * block + 64 * j + PREFETCH_L1;  /* in the tile's stream */
+            /* past the tile's end: a tile further on, to the next pair's same stream */
+            const int64_t skip = g * block + 64 * j + PREFETCH_L1 < tile_bytes ? 0 : tile_bytes;
             for (int u = 0; u < 2; u++) {
-                _mm_prefetch((const char *)start[u] + ahead + (ahead < tile_bytes ? 0 : tile_bytes),
-                             _MM_HINT_T0);
+                _mm_prefetch((const char *)p[u] + 64 * j + PREFETCH_L1 + skip, _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(p[u] + 64 * j);
                 lo[u] = _mm512_and_si512(v, low);
                 hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
