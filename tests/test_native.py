@@ -282,17 +282,19 @@ def test_attention_over_a_ring_gives_the_bits_of_a_full_length_cache(
 
 @needs_vnni
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [2, 4, 5, 6])
 def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
-        dtype: torch.dtype) -> None:
+        dtype: torch.dtype, kernel: int) -> None:
     """gdn.c over a window of 3 positions for 2 rows of a 3-slot ring (one about to wrap):
     the convolution, norms and gates as model/deltanet.py computes them, and the conv state
-    after each position in its ring entry, bit for bit (the window's own inputs)."""
+    after each position in its ring entry, bit for bit (the window's own inputs). Kernels
+    of 2-5 taps move bf16 states by permutes, 6 and fp32 element by element."""
     import torch.nn.functional as F
 
     from engine.model.deltanet import _prepare, causal_conv
 
     gen = torch.Generator().manual_seed(6)
-    hk, hv, dk, dv, kernel, ring, seqlen = 2, 4, 32, 48, 4, 5, 3
+    hk, hv, dk, dv, ring, seqlen = 2, 4, 32, 48, 5, 3
     c = 2 * hk * dk + hv * dv
     width = c + hv * dv + 2 * hv  # q, k, v's inputs, z, beta, alpha
     proj = torch.randn(2, seqlen, width, generator=gen).to(dtype)
@@ -301,8 +303,9 @@ def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
     weight = torch.randn(c, kernel, generator=gen) * 0.3
     a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
     committed = conv[slots, index[slots]].clone()  # [B, C, K-1]
-    got = native.gdn_prepare(proj, (hk, hv, dk, dv, kernel), conv, index, slots, weight,
-                             a_log, dt_bias)
+    before = conv.clone()
+    got = native.gdn_prepare(proj, (hk, hv, dk, dv, kernel), conv, index, slots,
+                             weight.t().contiguous(), a_log, dt_bias)
     assert got is not None
     window = torch.cat([committed, proj[..., :c].transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
     mixed = causal_conv(window, weight).to(dtype)
@@ -320,6 +323,10 @@ def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
         at = (index[slots] + 1 + s) % ring
         assert torch.equal(conv[slots, at], window[:, :, s + 1:s + kernel]), s
     assert torch.equal(conv[slots, index[slots]], committed)
+    written = torch.zeros(conv.shape[:2], dtype=torch.bool)
+    for s in range(seqlen):
+        written[slots, (index[slots] + 1 + s) % ring] = True
+    assert torch.equal(conv[~written], before[~written])  # nothing else touched
 
 
 @needs_vnni

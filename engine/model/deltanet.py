@@ -74,10 +74,11 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> None:
         """The four input projections as one matmul (see `fuse_linears`); the convolution's
-        weights and the gates' parameters in fp32 for the decode kernel (native/gdn.c)."""
+        weights (by tap, [K, C]) and the gates' parameters in fp32 for the decode kernel
+        (native/gdn.c)."""
         self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
         self.step_params = tuple(t.detach().float().contiguous() for t in (
-            self.conv1d.weight[:, 0], self.A_log, self.dt_bias, self.norm.weight))
+            self.conv1d.weight[:, 0].t(), self.A_log, self.dt_bias, self.norm.weight))
 
     def forward(self, x: Tensor, batch: CacheBatch | None = None,
                 cache: StateCache | None = None) -> Tensor:

@@ -329,10 +329,11 @@ def gdn_prepare(proj: Tensor, shape: GdnShape, conv: Tensor, index: Tensor, slot
     its fused input projections proj [B, S, W] (q, k, v's pre-convolution inputs, z, beta,
     alpha), the conv states in the cache's ring conv [slots, R, C, K-1] at each row's
     committed entry `index[slots]` (the state after each position written after it), and
-    the fp32 weight [C, K], A_log and dt_bias [Hv]: q, k [B, Hv, S, Dk] (L2-normalised, q
-    by 1/sqrt(Dk)), v [B, Hv, S, Dv], decay and beta [B, Hv, S], fp32. None where the kernel
-    does not take these tensors (head sizes not multiples of 16, or wider values than the
-    delta rule's kernel takes, key heads wider than 512, windows of more than 64 positions)."""
+    the fp32 weight by tap [K, C], A_log and dt_bias [Hv]: q, k [B, Hv, S, Dk]
+    (L2-normalised, q by 1/sqrt(Dk)), v [B, Hv, S, Dv], decay and beta [B, Hv, S], fp32.
+    None where the kernel does not take these tensors (head sizes not multiples of 16, or
+    wider values than the delta rule's kernel takes, key heads wider than 512, windows of
+    more than 64 positions)."""
     _, _, dk, dv, kernel = shape
     if torch.compiler.is_compiling() or proj.dtype not in (torch.float32, torch.bfloat16) \
             or conv.dtype != proj.dtype or not (proj.is_contiguous() and conv.is_contiguous()) \

@@ -36,23 +36,86 @@ static void l2norm(float *x, int64_t D, float scale) {
     }
 }
 
+/* A block's conv state, 16 channels of `keep` taps each, stored channel by channel: element
+   i * keep + j is channel i's tap j. Where the state is bf16 and keep <= 4 (the 16 * keep
+   values fill at most two vectors) it moves between that layout and a vector a tap by
+   permutes; else element by element (gathers and scatters were slower on the Zen 5, and
+   so was one function for both ways). The same values either way. */
+typedef struct {
+    __m512i read[8];   /* tap j's lanes i <- element i * keep + j (of lo | hi) */
+    __m512i lo, hi;    /* element e <- tap j lane i (of taps 0,1 | taps 2,3) */
+    int64_t keep;
+    int fast;          /* the permutes apply (bf16, keep <= 4) */
+} StateMoves;
+
+static void state_moves(StateMoves *m, int64_t keep, int bf16) {
+    m->keep = keep;
+    m->fast = bf16 && keep <= 4;
+    uint16_t lo[32], hi[32];
+    for (int64_t e = 0; e < 64; e++) {  /* element e = i * keep + j, tap j's lane i */
+        const uint16_t src = e < 16 * keep ? (uint16_t)((e % keep) * 16 + e / keep) : 0;
+        if (e < 32) lo[e] = src; else hi[e - 32] = src;
+    }
+    m->lo = _mm512_loadu_si512(lo);
+    m->hi = _mm512_loadu_si512(hi);
+    for (int64_t j = 0; j < keep && j < 8; j++) {
+        uint16_t r[32];
+        for (int64_t i = 0; i < 32; i++) r[i] = i < 16 ? (uint16_t)(i * keep + j) : 0;
+        m->read[j] = _mm512_loadu_si512(r);
+    }
+}
+
+/* The block's bf16 state at element `at` of conv into win[0 .. keep-1] (16 lanes a tap). */
+static inline void state_read(const StateMoves *m, const void *conv, int64_t at,
+                              float win[][16]) {
+    const int64_t keep = m->keep;
+    const uint16_t *src = (const uint16_t *)conv + at;
+    const __mmask32 lo = 16 * keep >= 32 ? 0xffffffffu : (__mmask32)((1ull << (16 * keep)) - 1);
+    const __mmask32 hi = 16 * keep > 32 ? (__mmask32)((1ull << (16 * keep - 32)) - 1) : 0;
+    const __m512i a = _mm512_maskz_loadu_epi16(lo, src);
+    const __m512i b = _mm512_maskz_loadu_epi16(hi, src + 32);
+    for (int64_t j = 0; j < keep; j++) {
+        const __m512i t = _mm512_permutex2var_epi16(a, m->read[j], b);
+        _mm512_storeu_ps(win[j], _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(t)), 16)));
+    }
+}
+
+/* win[0 .. keep-1] (bf16 values) as the block's bf16 state at element `at`. */
+static inline void state_write(const StateMoves *m, void *conv, int64_t at, float win[][16]) {
+    const int64_t keep = m->keep;
+    __m256i t[4];
+    for (int64_t j = 0; j < 4; j++)  /* exact: the values are bf16's */
+        t[j] = j < keep ? _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                   _mm512_castps_si512(_mm512_loadu_ps(win[j])), 16))
+                        : _mm256_setzero_si256();
+    const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
+    const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(t[2]), t[3], 1);
+    uint16_t *dst = (uint16_t *)conv + at;
+    const __mmask32 lo = 16 * keep >= 32 ? 0xffffffffu : (__mmask32)((1ull << (16 * keep)) - 1);
+    _mm512_mask_storeu_epi16(dst, lo, _mm512_permutex2var_epi16(a, m->lo, b));
+    if (16 * keep > 32)
+        _mm512_mask_storeu_epi16(dst + 32, (__mmask32)((1ull << (16 * keep - 32)) - 1),
+                                 _mm512_permutex2var_epi16(a, m->hi, b));
+}
+
 /* The convolution of channels c0 .. c0+15 of row b over its S positions: silu of the sum
    over the Kc taps (in order) into mixed, rounded to bf16 when bf16 != 0, and the conv
-   state after each position into its ring entry. */
-static void conv_block(const void *x, int64_t x_stride, int64_t b, int64_t S, int64_t C,
-                       int64_t c0, int64_t Kc, void *conv, const float *w, int64_t state,
-                       const int64_t *after, float *mixed, int bf16) {
+   state after each position into its ring entry. w: the weights [Kc, C]. */
+static inline __attribute__((always_inline)) void conv_block(
+        const StateMoves *m, const void *x, int64_t x_stride, int64_t b, int64_t S, int64_t C,
+        int64_t c0, int64_t Kc, void *conv, const float *w, int64_t state,
+        const int64_t *after, float *mixed, int bf16, int fast) {
     const int64_t keep = Kc - 1;
     float win[64 + 8][16];  /* the window's inputs: the committed state's, then the new */
     __m512 taps[8];
-    for (int64_t j = 0; j < Kc; j++) {
-        float t[16];
-        for (int64_t i = 0; i < 16; i++) t[i] = w[(c0 + i) * Kc + j];
-        taps[j] = _mm512_loadu_ps(t);
-    }
-    for (int64_t j = 0; j < keep; j++)
-        for (int64_t i = 0; i < 16; i++)
-            win[j][i] = scalar(conv, state + (c0 + i) * keep + j, bf16);
+    for (int64_t j = 0; j < Kc; j++) taps[j] = _mm512_loadu_ps(w + j * C + c0);
+    if (fast)
+        state_read(m, conv, state + c0 * keep, win);
+    else
+        for (int64_t j = 0; j < keep; j++)
+            for (int64_t i = 0; i < 16; i++)
+                win[j][i] = scalar(conv, state + (c0 + i) * keep + j, bf16);
     for (int64_t s = 0; s < S; s++)
         _mm512_storeu_ps(win[keep + s], load16(x, (b * S + s) * x_stride + c0, bf16));
     for (int64_t s = 0; s < S; s++) {
@@ -64,7 +127,9 @@ static void conv_block(const void *x, int64_t x_stride, int64_t b, int64_t S, in
         _mm512_storeu_ps(mixed + (b * S + s) * C + c0, out);
         /* the conv state after position s: inputs s+1 .. s+Kc-1 of the window */
         const int64_t dst = after[s] + c0 * keep;
-        if (bf16) {
+        if (fast) {
+            state_write(m, conv, dst, win + s + 1);
+        } else if (bf16) {
             uint16_t *o = (uint16_t *)conv + dst;
             for (int64_t i = 0; i < 16; i++)
                 for (int64_t j = 0; j < keep; j++) {
@@ -83,11 +148,11 @@ static void conv_block(const void *x, int64_t x_stride, int64_t b, int64_t S, in
    (b*S + s) * x_stride elements: q, k, v's C = 2 Hk Dk + Hv Dv pre-convolution inputs first,
    beta's Hv at b_off, alpha's Hv at a_off. conv: the ring [slots, R, C, Kc-1] (the model's
    dtype, as x), slot slots[b]'s committed entry index[slots[b]]; the state after position
-   s goes to entry (index + 1 + s) mod R. w: the convolution's weights [C, Kc], a_log and
-   dt_bias [Hv], all fp32. Out (fp32): q, k [B, Hv, S, Dk], v [B, Hv, S, Dv], decay a_t and
-   beta b_t [B, Hv, S]. bf16 != 0: x and conv are bf16, and the convolution's output is
-   rounded to bf16 as the model's dtype would. Returns 0, or -1 when the shapes are not ones
-   this kernel takes or memory could not be had. */
+   s goes to entry (index + 1 + s) mod R. w: the convolution's weights by tap [Kc, C];
+   a_log and dt_bias [Hv]; all fp32. Out (fp32): q, k [B, Hv, S, Dk], v [B, Hv, S, Dv],
+   decay a_t and beta b_t [B, Hv, S]. bf16 != 0: x and conv are bf16, and the
+   convolution's output is rounded to bf16 as the model's dtype would. Returns 0, or -1
+   when the shapes are not ones this kernel takes or memory could not be had. */
 int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, int64_t B,
                 int64_t S, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t Kc,
                 void *conv, int64_t R, const int64_t *slots, const int64_t *index,
@@ -111,13 +176,19 @@ int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, i
         for (int64_t s = 0; s <= S; s++)
             after[b * (S + 1) + s] = (slot * R + (at + s) % R) * entry;
     }
+    StateMoves moves;
+    state_moves(&moves, keep, bf16);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
             for (int64_t c0 = 0; c0 < C; c0 += 16)
-                conv_block(x, x_stride, b, S, C, c0, Kc, conv, w, after[b * (S + 1)],
-                           after + b * (S + 1) + 1, mixed, bf16);
+                if (moves.fast)  /* a copy of the loop each way */
+                    conv_block(&moves, x, x_stride, b, S, C, c0, Kc, conv, w,
+                               after[b * (S + 1)], after + b * (S + 1) + 1, mixed, bf16, 1);
+                else
+                    conv_block(&moves, x, x_stride, b, S, C, c0, Kc, conv, w,
+                               after[b * (S + 1)], after + b * (S + 1) + 1, mixed, bf16, 0);
 #pragma omp for schedule(static) collapse(3)
         for (int64_t b = 0; b < B; b++)
             for (int64_t s = 0; s < S; s++)
