@@ -105,9 +105,13 @@ def test_argmax_and_log_sum_exp_of_logits(dtype: torch.dtype, vocab: int) -> Non
     logits[1, 0] = logits[1, 16] = logits[1, vocab - 1] = 100.0
     logits[3] = float("-inf")
     logits[3, vocab // 2] = 1.0
+    # a later index of the maximum in the first of the kernel's four vectors, an earlier one
+    # in the second: still the first index
+    logits[4, min(70, vocab - 1)] = logits[4, 4 if vocab < 64 else 20] = 100.0
     logits = logits.to(dtype)
     index, lse = rows.argmax_lse(logits)
     assert torch.equal(index, logits.float().argmax(-1)) and index[1] == 0
+    assert index[4] == (4 if vocab < 64 else 20)
     assert torch.allclose(lse, logits.float().logsumexp(-1), rtol=1e-6, atol=1e-6)
     logits[2, 7] = logits[2, 9] = float("nan")  # torch's argmax: the first NaN
     index, lse = rows.argmax_lse(logits)

@@ -100,25 +100,35 @@ void rope(const uint16_t *x, int64_t row_stride, int64_t head_stride, int64_t ro
 
 /* Per row of `v` values (row r at x + r * stride; fp32, or bf16 when bf16 != 0): the index
    of its first maximum (a NaN counting as the maximum, its first one, as torch's argmax) and
-   log sum exp. */
+   log sum exp. Four vectors of 16 a turn, each with its own running maximum and sum (one
+   chain of dependent operations would wait on each compare and add), the last turn masked;
+   a lane keeps the first index of its maximum, and the answer is the least index of the
+   lanes that hold the row's maximum. */
 void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16,
                 int64_t *index, float *lse, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * stride * (bf16 ? 2 : 4);
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i at = _mm512_set1_epi32(0x7fffffff);
-        __mmask16 nan = 0;
-        for (int64_t i = 0; i < v; i += 16) {
-            const __mmask16 m = tail(v - i);
-            const __m512 e = load16_masked(row, i, m, bf16);
-            nan |= _mm512_mask_cmp_ps_mask(m, e, e, _CMP_UNORD_Q);
-            const __mmask16 more = _mm512_mask_cmp_ps_mask(m, e, best, _CMP_GT_OQ);
-            best = _mm512_mask_mov_ps(best, more, e);
-            at = _mm512_mask_mov_epi32(at, more, _mm512_add_epi32(
-                _mm512_set1_epi32((int)i), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                             11, 12, 13, 14, 15)));
+        const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                14, 15);
+        __m512 best[4];
+        __m512i at[4];
+        for (int u = 0; u < 4; u++) {
+            best[u] = _mm512_set1_ps(-INFINITY);
+            at[u] = _mm512_set1_epi32(0x7fffffff);
         }
+        __mmask16 nan = 0;
+        for (int64_t i = 0; i < v; i += 64)
+            for (int u = 0; u < 4; u++) {
+                const int64_t at_i = i + 16 * u;
+                const __mmask16 m = at_i < v ? tail(v - at_i) : 0;
+                const __m512 e = load16_masked(row, at_i, m, bf16);
+                nan |= _mm512_mask_cmp_ps_mask(m, e, e, _CMP_UNORD_Q);
+                const __mmask16 more = _mm512_mask_cmp_ps_mask(m, e, best[u], _CMP_GT_OQ);
+                best[u] = _mm512_mask_mov_ps(best[u], more, e);
+                at[u] = _mm512_mask_mov_epi32(at[u], more, _mm512_add_epi32(
+                    _mm512_set1_epi32((int)at_i), lanes));
+            }
         if (nan) {  /* torch's answer: the first NaN */
             int64_t i = 0;
             while (scalar(row, i, bf16) == scalar(row, i, bf16)) i++;
@@ -126,21 +136,32 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
             lse[r] = NAN;
             continue;
         }
-        const float top = _mm512_reduce_max_ps(best);
+        const __m512 top4 = _mm512_max_ps(_mm512_max_ps(best[0], best[1]),
+                                          _mm512_max_ps(best[2], best[3]));
+        const float top = _mm512_reduce_max_ps(top4);
         if (top == -INFINITY) {  /* every logit -inf: the first, as torch's argmax */
             index[r] = 0;
             lse[r] = -INFINITY;
             continue;
         }
-        const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        index[r] = _mm512_mask_reduce_min_epi32(tops, at);
-        __m512 sum = _mm512_setzero_ps();
         const __m512 t = _mm512_set1_ps(top);
-        for (int64_t i = 0; i < v; i += 16) {
-            const __mmask16 m = tail(v - i);
-            const __m512 e = load16_masked(row, i, m, bf16);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(e, t))));
-        }
-        lse[r] = top + logf(_mm512_reduce_add_ps(sum));
+        __m512i first = _mm512_set1_epi32(0x7fffffff);
+        for (int u = 0; u < 4; u++)
+            first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(best[u], t, _CMP_EQ_OQ),
+                                          first, at[u]);
+        index[r] = _mm512_reduce_min_epi32(first);
+        __m512 sum[4];
+        for (int u = 0; u < 4; u++) sum[u] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < v; i += 64)
+            for (int u = 0; u < 4; u++) {
+                const int64_t at_i = i + 16 * u;
+                const __mmask16 m = at_i < v ? tail(v - at_i) : 0;
+                const __m512 e = load16_masked(row, at_i, m, bf16);
+                sum[u] = _mm512_add_ps(sum[u], _mm512_maskz_mov_ps(
+                    m, exp_nonpositive(_mm512_sub_ps(e, t))));
+            }
+        const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]),
+                                           _mm512_add_ps(sum[2], sum[3]));
+        lse[r] = top + logf(_mm512_reduce_add_ps(total));
     }
 }
