@@ -32,6 +32,7 @@ from engine.model.quant import (
 from engine.model.weights import CheckpointError, load_model, save_model
 from tests.conftest import load_exact
 from tests.test_identity import run_batched
+from tests.test_native import needs_vnni
 from training.synthetic import write_checkpoint
 
 QUANTS = [m for m in MODES if m not in ("none", "auto")]
@@ -140,6 +141,35 @@ def test_codes_come_back_from_the_cache_and_a_changed_checkpoint_gets_new_ones(
     assert len(list(cache_root.glob("*-int4-*.safetensors"))) == 2
 
 
+@needs_vnni
+def test_under_int8_the_drafts_run_in_int4_and_their_codes_come_back_from_the_cache(
+        hybrid_dir: Path, tmp_path: Path) -> None:
+    """int8 where our kernels run: the trunk and the whole head in int8, the MTP module and
+    the reduced draft head in int4 (drafts only propose: the output stays int8's, which
+    `test_quantized_speculative_output_is_its_plain_decoding` holds); a second load reads
+    every code back from the cache file of that mix."""
+    from engine.model.quant import describe
+
+    engine = Engine.load(hybrid_dir, quant="int8", quant_cache=tmp_path, max_seq_len=128,
+                         draft_vocab=64)
+    model = engine.model
+    modes = {name: p.mode for name, p in packed_weights(model).items()}
+    assert {m for n, m in modes.items() if n.startswith("mtp.")} == {"int4"}
+    assert {m for n, m in modes.items() if not n.startswith("mtp.")} == {"int8"}
+    assert model.draft_head is not None and isinstance(model.draft_head.rows, Packed)
+    assert model.draft_head.rows.mode == "int4" and describe(model).endswith("drafts int4)")
+    path = QuantCache(tmp_path, hybrid_dir).path("int8-drafts-int4")
+    assert path.is_file() and not QuantCache(tmp_path, hybrid_dir).path("int8").exists()
+    again = Engine.load(hybrid_dir, quant="int8", quant_cache=tmp_path, max_seq_len=128,
+                        draft_vocab=64)
+    stored = load_file(str(path))
+    for name, packed in packed_weights(again.model).items():
+        assert torch.equal(packed.raw_scales, stored[f"{name}.scales"]), name
+    prompt = torch.randint(300, 396, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert again.generate(prompt, GenParams(16, stop_loops=False)).tokens == \
+        engine.generate(prompt, GenParams(16, stop_loops=False)).tokens
+
+
 def test_the_cli_runs_a_quantized_model_and_status_names_it(trained_dir: Path,
                                                             tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
@@ -167,6 +197,6 @@ def test_auto_quantizes_a_large_model_where_the_kernels_run_and_leaves_a_small_o
     large = Engine.load(hybrid_dir, quant="auto")
     if native.available():
         assert large.model.quant == "int8"
-        assert describe(large.model) == "int8 (vnni kernels) (auto)"
+        assert describe(large.model) == "int8 (vnni kernels; drafts int4) (auto)"
     else:  # torch's one-row kernels do not pay for themselves: auto keeps the weights
         assert large.model.quant == "none"

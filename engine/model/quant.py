@@ -52,6 +52,9 @@ GROUP = native.GROUPS[0]  # inputs an int4 group (128), narrower layers less
 # same held-out loss, but it stays as trained until the quality bench says the same of it.
 AUTO_BYTES = 1 << 30
 ACT = torch.bfloat16
+# The MTP modules' targets: they make drafts alone, which the verify accepts or not, so their
+# precision moves acceptance and never the output (see `draft_mode`).
+DRAFTS = "mtp."
 
 
 class QuantError(ValueError):
@@ -233,26 +236,39 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
     mode = resolve(model, mode)
     if mode == "none":
         return 0
+    drafts = draft_mode(model, mode)
+    key = mode if drafts == mode else f"{mode}-drafts-{drafts}"  # the cache file's
     found = targets(model)
-    stored = cache.read(mode) if cache is not None else None
+    stored = cache.read(key) if cache is not None else None
     codes: dict[str, tuple[Tensor, Tensor, int]] = {}
     total = 0
     for name, (owner, attr) in found.items():
         weight, bias = _weight_of(model, owner, attr)
+        own = drafts if name.startswith(DRAFTS) else mode
         if stored is not None and name in stored:
             c, s, g = stored[name]
         else:
-            c, s, g = encode(weight, mode)
+            c, s, g = encode(weight, own)
         codes[name] = (c, s, g)
-        packed = Packed(mode, c.to(weight.device), s.to(weight.device), bias, g)
-        if name != "head" and (mode == "int4" or packed.native):  # the repacked form runs;
+        packed = Packed(own, c.to(weight.device), s.to(weight.device), bias, g)
+        if name != "head" and (own == "int4" or packed.native):  # the repacked form runs;
             packed.codes = c.new_empty(0)  # only the head's codes serve again (draft rows)
         total += packed.nbytes()
         _install(model, owner, attr, packed)
     if cache is not None and stored is None:
-        cache.write(mode, codes)
-    model.quant = mode
+        cache.write(key, codes)
+    model.quant, model.draft_quant = mode, drafts
     return total
+
+
+def draft_mode(model: Transformer, mode: str) -> str:
+    """What the drafts' matmuls (the MTP modules and the reduced draft head) run in when the
+    model runs in `mode`: int4 under int8 where our kernels run, else `mode`. A draft only
+    proposes; the verify, in int8, decides every token, so the output is int8's whatever the
+    drafts' precision, and their bytes halve (three drafts' MTP layer and draft head were
+    0.2 of an int8 plain step's weights: Qwen3.5-2B's K=3 step 1.33x plain)."""
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+    return "int4" if mode == "int8" and on_cpu and native.available() else mode
 
 
 def resolve(model: Transformer, mode: str) -> str:
@@ -286,8 +302,9 @@ def describe(model: Transformer) -> str:
     packed = packed_weights(model)
     if mode == "none" or not packed:
         return mode + auto
+    drafts = f"; drafts {model.draft_quant}" if model.draft_quant != mode else ""
     if all(p.native for p in packed.values()):
-        return f"{mode} (vnni kernels){auto}"
+        return f"{mode} (vnni kernels{drafts}){auto}"
     why = native.status() if mode in ("int4", "int8") and \
         model.model.embed_tokens.weight.device.type == "cpu" else ""
     return f"{mode} (torch kernels{': ' + why if why != 'vnni' and why else ''}){auto}"

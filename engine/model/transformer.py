@@ -63,6 +63,7 @@ class Transformer(nn.Module):
         self.assistant: Assistant | None = None
         self.quant = "none"  # what runs (model/quant.py), and what was asked for (auto)
         self.quant_asked = "none"
+        self.draft_quant = "none"  # what the drafts' matmuls run in (quant.draft_mode)
         self.apply(_init_weights)
 
     @property
