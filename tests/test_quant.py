@@ -143,11 +143,12 @@ def test_codes_come_back_from_the_cache_and_a_changed_checkpoint_gets_new_ones(
 
 @needs_vnni
 def test_under_int8_the_drafts_run_in_int4_and_their_codes_come_back_from_the_cache(
-        hybrid_dir: Path, tmp_path: Path) -> None:
+        hybrid_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """int8 where our kernels run: the trunk and the whole head in int8, the MTP module and
     the reduced draft head in int4 (drafts only propose: the output stays int8's, which
     `test_quantized_speculative_output_is_its_plain_decoding` holds); a second load reads
-    every code back from the cache file of that mix."""
+    every code back from the cache file of that mix, and an older cache of the whole model
+    in int8 gives its trunk and head codes."""
     from engine.model.quant import describe
 
     engine = Engine.load(hybrid_dir, quant="int8", quant_cache=tmp_path, max_seq_len=128,
@@ -168,6 +169,24 @@ def test_under_int8_the_drafts_run_in_int4_and_their_codes_come_back_from_the_ca
     prompt = torch.randint(300, 396, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     assert again.generate(prompt, GenParams(16, stop_loops=False)).tokens == \
         engine.generate(prompt, GenParams(16, stop_loops=False)).tokens
+    # A cache of the whole model in int8 (from before the drafts had their own mode): its
+    # trunk and head codes serve, the module's are made in int4, and the mix is written.
+    older = tmp_path / "older"
+    monkeypatch.setattr("engine.model.quant.draft_mode", lambda model, mode: mode)
+    Engine.load(hybrid_dir, quant="int8", quant_cache=older, max_seq_len=128)
+    monkeypatch.undo()
+    whole = QuantCache(older, hybrid_dir).path("int8")
+    tensors = load_file(str(whole))
+    with safe_open(str(whole), framework="pt") as f:
+        metadata = f.metadata()
+    tensors["head.codes"] = torch.zeros_like(tensors["head.codes"])  # the load must read it
+    save_file(tensors, str(whole), metadata=metadata)
+    third = Engine.load(hybrid_dir, quant="int8", quant_cache=older, max_seq_len=128,
+                        draft_vocab=64)
+    packed = packed_weights(third.model)
+    assert not packed["head"].codes.any()
+    assert {packed[n].mode for n in packed if n.startswith("mtp.")} == {"int4"}
+    assert QuantCache(older, hybrid_dir).path("int8-drafts-int4").is_file()
 
 
 def test_the_cli_runs_a_quantized_model_and_status_names_it(trained_dir: Path,

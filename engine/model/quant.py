@@ -239,13 +239,17 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
     drafts = draft_mode(model, mode)
     key = mode if drafts == mode else f"{mode}-drafts-{drafts}"  # the cache file's
     found = targets(model)
-    stored = cache.read(key) if cache is not None else None
+    stored, stored_as = (cache.read(key), key) if cache is not None else (None, key)
+    if cache is not None and stored is None and key != mode:
+        # codes of the whole model in `mode` (a cache from before the drafts had their own):
+        # the trunk's and the head's serve, the modules' are made again
+        stored, stored_as = cache.read(mode), mode
     codes: dict[str, tuple[Tensor, Tensor, int]] = {}
     total = 0
     for name, (owner, attr) in found.items():
         weight, bias = _weight_of(model, owner, attr)
         own = drafts if name.startswith(DRAFTS) else mode
-        if stored is not None and name in stored:
+        if stored is not None and name in stored and (stored_as == key or own == mode):
             c, s, g = stored[name]
         else:
             c, s, g = encode(weight, own)
@@ -255,7 +259,7 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
             packed.codes = c.new_empty(0)  # only the head's codes serve again (draft rows)
         total += packed.nbytes()
         _install(model, owner, attr, packed)
-    if cache is not None and stored is None:
+    if cache is not None and (stored is None or stored_as != key):
         cache.write(key, codes)
     model.quant, model.draft_quant = mode, drafts
     return total
