@@ -267,12 +267,18 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
 
 def draft_mode(model: Transformer, mode: str) -> str:
     """What the drafts' matmuls (the MTP modules and the reduced draft head) run in when the
-    model runs in `mode`: int4 under int8 where our kernels run, else `mode`. A draft only
-    proposes; the verify, in int8, decides every token, so the output is int8's whatever the
-    drafts' precision, and their bytes halve (three drafts' MTP layer and draft head were
-    0.2 of an int8 plain step's weights: Qwen3.5-2B's K=3 step 1.33x plain)."""
+    model runs in `mode`: int4 under int8 where our kernels run (and every such matmul's
+    width takes int4's groups), else `mode`. A draft only proposes; the verify, in int8,
+    decides every token, so the output is int8's whatever the drafts' precision, and their
+    bytes halve (three drafts' MTP layer and draft head were 0.2 of an int8 plain step's
+    weights: Qwen3.5-2B's K=3 step 1.33x plain). Called before the weights are replaced."""
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    return "int4" if mode == "int8" and on_cpu and native.available() else mode
+    if mode != "int8" or not on_cpu or not native.available():
+        return mode
+    widths = [model.cfg.hidden_size] + [_weight_of(model, owner, attr)[0].shape[1]
+                                        for name, (owner, attr) in targets(model).items()
+                                        if name.startswith(DRAFTS)]
+    return "int4" if all(native.group_for(w) for w in widths) else mode
 
 
 def resolve(model: Transformer, mode: str) -> str:
