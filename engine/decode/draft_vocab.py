@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from engine.model.layers import Dense
-from engine.model.quant import Packed, decode, encode
+from engine.model.quant import Packed
 from engine.model.transformer import Transformer
 from engine.paths import cache_dir, write_replacing
 from engine.tokenizer import Tokenizer
@@ -80,7 +80,7 @@ class DraftHead:
         if isinstance(head, Packed):
             self.rows: Dense | Packed = head.rows(self.ids)
             if model.draft_quant != head.mode:  # the drafts' own precision (quant.draft_mode)
-                self.rows = requantize(self.rows, model.draft_quant)
+                self.rows = self.rows.recoded(model.draft_quant)
         else:
             w = model.model.embed_tokens.weight if model.cfg.tie_word_embeddings \
                 else model.lm_head.weight
@@ -96,14 +96,6 @@ class DraftHead:
         if isinstance(rows, Packed):
             return rows.nbytes()
         return rows.weight.numel() * rows.weight.element_size()
-
-
-def requantize(rows: Packed, mode: str) -> Packed:
-    """`rows` in `mode`, encoded from what their codes stand for (the head's full-precision
-    weight is gone once quantized, unless tied to the embedding)."""
-    weight = decode(rows.codes, rows.raw_scales, rows.mode, rows.group)
-    codes, scales, group = encode(weight, mode)
-    return Packed(mode, codes, scales, rows.bias, group)
 
 
 def install(model: Transformer, tokenizer: Tokenizer, size: int = SIZE) -> DraftHead | None:

@@ -123,6 +123,13 @@ class Packed:
         return Packed(self.mode, self.codes[index], self.raw_scales[index],
                       None if self.bias is None else self.bias[index], self.group)
 
+    def recoded(self, mode: str) -> Packed:
+        """The same product in `mode`, encoded from what these codes stand for (where the
+        full-precision weight is gone: a quantized head's draft rows)."""
+        codes, scales, group = encode(decode(self.codes, self.raw_scales, self.mode,
+                                             self.group), mode)
+        return Packed(mode, codes, scales, self.bias, group)
+
     def _dynamic(self, x: Tensor) -> Tensor:
         """int8 activations too, one scale per row (so a row's result is its own), and an
         integer matmul: int32 sums are exact in any order, so the kernel's blocking, and
@@ -239,11 +246,13 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
     drafts = draft_mode(model, mode)
     key = mode if drafts == mode else f"{mode}-drafts-{drafts}"  # the cache file's
     found = targets(model)
-    stored, stored_as = (cache.read(key), key) if cache is not None else (None, key)
-    if cache is not None and stored is None and key != mode:
-        # codes of the whole model in `mode` (a cache from before the drafts had their own):
-        # the trunk's and the head's serve, the modules' are made again
-        stored, stored_as = cache.read(mode), mode
+    stored, stored_as = None, key
+    if cache is not None:
+        stored = cache.read(key)
+        if stored is None and key != mode:
+            # codes of the whole model in `mode` (a cache from before the drafts had their
+            # own): the trunk's and the head's serve, the modules' are made again
+            stored, stored_as = cache.read(mode), mode
     codes: dict[str, tuple[Tensor, Tensor, int]] = {}
     total = 0
     for name, (owner, attr) in found.items():

@@ -42,8 +42,9 @@ static void l2norm(float *x, int64_t D, float scale) {
    permutes; else element by element (gathers and scatters were slower on the Zen 5, and
    so was one function for both ways). The same values either way. */
 typedef struct {
-    __m512i read[8];   /* tap j's lanes i <- element i * keep + j (of lo | hi) */
+    __m512i read[4];   /* tap j's lanes i <- element i * keep + j (of lo | hi) */
     __m512i lo, hi;    /* element e <- tap j lane i (of taps 0,1 | taps 2,3) */
+    __mmask32 lo_mask, hi_mask;  /* the 16 * keep elements: of the first vector, the second */
     int64_t keep;
     int fast;          /* the permutes apply (bf16, keep <= 4) */
 } StateMoves;
@@ -51,14 +52,18 @@ typedef struct {
 static void state_moves(StateMoves *m, int64_t keep, int bf16) {
     m->keep = keep;
     m->fast = bf16 && keep <= 4;
+    if (!m->fast) return;
+    const int64_t n = 16 * keep;
+    m->lo_mask = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1);
+    m->hi_mask = n > 32 ? (__mmask32)((1ull << (n - 32)) - 1) : 0;
     uint16_t lo[32], hi[32];
     for (int64_t e = 0; e < 64; e++) {  /* element e = i * keep + j, tap j's lane i */
-        const uint16_t src = e < 16 * keep ? (uint16_t)((e % keep) * 16 + e / keep) : 0;
+        const uint16_t src = e < n ? (uint16_t)((e % keep) * 16 + e / keep) : 0;
         if (e < 32) lo[e] = src; else hi[e - 32] = src;
     }
     m->lo = _mm512_loadu_si512(lo);
     m->hi = _mm512_loadu_si512(hi);
-    for (int64_t j = 0; j < keep && j < 8; j++) {
+    for (int64_t j = 0; j < keep; j++) {
         uint16_t r[32];
         for (int64_t i = 0; i < 32; i++) r[i] = i < 16 ? (uint16_t)(i * keep + j) : 0;
         m->read[j] = _mm512_loadu_si512(r);
@@ -68,13 +73,10 @@ static void state_moves(StateMoves *m, int64_t keep, int bf16) {
 /* The block's bf16 state at element `at` of conv into win[0 .. keep-1] (16 lanes a tap). */
 static inline void state_read(const StateMoves *m, const void *conv, int64_t at,
                               float win[][16]) {
-    const int64_t keep = m->keep;
     const uint16_t *src = (const uint16_t *)conv + at;
-    const __mmask32 lo = 16 * keep >= 32 ? 0xffffffffu : (__mmask32)((1ull << (16 * keep)) - 1);
-    const __mmask32 hi = 16 * keep > 32 ? (__mmask32)((1ull << (16 * keep - 32)) - 1) : 0;
-    const __m512i a = _mm512_maskz_loadu_epi16(lo, src);
-    const __m512i b = _mm512_maskz_loadu_epi16(hi, src + 32);
-    for (int64_t j = 0; j < keep; j++) {
+    const __m512i a = _mm512_maskz_loadu_epi16(m->lo_mask, src);
+    const __m512i b = _mm512_maskz_loadu_epi16(m->hi_mask, src + 32);
+    for (int64_t j = 0; j < m->keep; j++) {
         const __m512i t = _mm512_permutex2var_epi16(a, m->read[j], b);
         _mm512_storeu_ps(win[j], _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm512_castsi512_si256(t)), 16)));
@@ -92,11 +94,9 @@ static inline void state_write(const StateMoves *m, void *conv, int64_t at, floa
     const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(t[0]), t[1], 1);
     const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(t[2]), t[3], 1);
     uint16_t *dst = (uint16_t *)conv + at;
-    const __mmask32 lo = 16 * keep >= 32 ? 0xffffffffu : (__mmask32)((1ull << (16 * keep)) - 1);
-    _mm512_mask_storeu_epi16(dst, lo, _mm512_permutex2var_epi16(a, m->lo, b));
-    if (16 * keep > 32)
-        _mm512_mask_storeu_epi16(dst + 32, (__mmask32)((1ull << (16 * keep - 32)) - 1),
-                                 _mm512_permutex2var_epi16(a, m->hi, b));
+    _mm512_mask_storeu_epi16(dst, m->lo_mask, _mm512_permutex2var_epi16(a, m->lo, b));
+    if (m->hi_mask)
+        _mm512_mask_storeu_epi16(dst + 32, m->hi_mask, _mm512_permutex2var_epi16(a, m->hi, b));
 }
 
 /* The convolution of channels c0 .. c0+15 of row b over its S positions: silu of the sum

@@ -27,13 +27,8 @@ def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
     n = codes.shape[0]
     pad = -n % TILE
     tiles = (n + pad) // TILE
-    if mode == "int4":
-        k = codes.shape[1] * 2
-        body = group * 8
-    else:
-        k = codes.shape[1]
-        body = group * 16
-    groups = k // group
+    k = codes.shape[1] * (2 if mode == "int4" else 1)  # inputs
+    groups, body = k // group, group * (8 if mode == "int4" else 16)  # bytes of a group's codes
     out = torch.empty(tiles, groups, body + 4 * TILE, dtype=torch.uint8, device=codes.device)
     if mode == "int4":
         q = torch.stack([codes & 15, codes >> 4], dim=-1).view(n, k)  # inputs in order
