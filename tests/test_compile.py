@@ -126,6 +126,7 @@ def test_a_deep_models_fixed_shape_step_compiles_block_by_block(
 
     monkeypatch.setattr(compile_mod, "WHOLE_BLOCKS", 0)
     monkeypatch.setattr(native, "_load", lambda: "off (as on CUDA: no CPU kernel of ours)")
+    monkeypatch.setattr(native, "_available", None)  # asked again of the `_load` above
     write_checkpoint(tmp_path, "tiny-qwen3.5", train_steps=10, seed=0, mtp_naming="mtp")
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters

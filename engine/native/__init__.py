@@ -30,6 +30,7 @@ from torch import Tensor
 
 # The weights' layout (layout.py), as callers know it: native.pack, native.GROUPS, ...
 from engine.native.layout import GROUPS as GROUPS
+from engine.native.layout import LAYOUT as LAYOUT
 from engine.native.layout import TILE as TILE
 from engine.native.layout import group_for as group_for
 from engine.native.layout import pack as pack
@@ -255,10 +256,17 @@ def status() -> str:
     return "vnni" if isinstance(got, Kernels) else got
 
 
-@torch.compiler.assume_constant_result
+_available: bool | None = None
+
+
 def available() -> bool:
-    """Whether the kernels run here (a constant to a compiled graph)."""
-    return status() == "vnni"
+    """Whether the kernels run here: after the first call a module global, which a compiled
+    graph reads as a constant (`torch.compiler.assume_constant_result` on this function would
+    import torch._dynamo with this module: 1.9 s of every start)."""
+    global _available
+    if _available is None:
+        _available = status() == "vnni"
+    return _available
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) -> Tensor:
