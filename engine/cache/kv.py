@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from engine import native
+from engine.cache import zeros
 
 # Keys are read in whole blocks of this many: a cache holds whole blocks, an eager forward
 # reads the blocks up to its last position, and attention may sum block by block.
@@ -25,8 +26,8 @@ class KVCache:
     def __init__(self, num_slots: int, num_kv_heads: int, length: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         shape = (num_slots, num_kv_heads, length, head_dim)  # [S, Hkv, T, D]
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = zeros(*shape, device=device, dtype=dtype)
+        self.v = zeros(*shape, device=device, dtype=dtype)
 
     def update(self, batch: CacheBatch, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, S, D] at each row's slot and positions; the keys and values

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from engine import native
+from engine.cache import zeros
 from engine.cache.kv import CacheBatch, KVCache
 
 
@@ -54,8 +55,8 @@ class RingCache(KVCache):
         super().__init__(num_slots, num_kv_heads, ring.size + 1, head_dim, device, dtype)
         self.size, self.need, self.scratch = ring.size, ring.need, scratch
         shape = (num_slots, saved, num_kv_heads, ring.need, head_dim)
-        self.saved_k = torch.zeros(shape, device=device, dtype=dtype)
-        self.saved_v = torch.zeros(shape, device=device, dtype=dtype)
+        self.saved_k = zeros(*shape, device=device, dtype=dtype)
+        self.saved_v = zeros(*shape, device=device, dtype=dtype)
 
     def entries(self, pos: Tensor) -> Tensor:
         """The ring entries of positions `pos` (the scratch position's: the spare one)."""

@@ -27,6 +27,7 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
+from engine.cache import zeros
 from engine.cache.kv import KEY_BLOCK, KVCache
 from engine.cache.ring import Ring, RingCache
 from engine.cache.state import RingOffsets, StateCache, commit
@@ -109,8 +110,8 @@ class Caches:
             self.trunk.append(self.trunk[source] if source != i else state() if kind == LINEAR
                               else attention(kind))
         self.modules = [layers(cfg.mtp_layers_per_module) for _ in range(model.num_mtp)]
-        self.hidden = torch.zeros(num_slots, self.length, cfg.hidden_size, device=self.device,
-                                  dtype=self.dtype)  # trunk output h_t, [S, T, H]
+        self.hidden = zeros(num_slots, self.length, cfg.hidden_size, device=self.device,
+                            dtype=self.dtype)  # trunk output h_t, [S, T, H]
         self.cos, self.sin = rope_tables(cfg, self.length, self.device, self.dtype)
 
     def rope(self, pos: Tensor) -> tuple[Tensor, Tensor]:

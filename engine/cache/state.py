@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from engine import native
+from engine.cache import zeros
 
 
 class StateCache:
@@ -44,9 +45,9 @@ class StateCache:
         self.offsets = offsets
 
         def states(n: int) -> tuple[Tensor, Tensor]:
-            return (torch.zeros(num_slots, n, conv_size, kernel - 1, device=device, dtype=dtype),
-                    torch.zeros(num_slots, n, num_heads, k_dim, v_dim, device=device,
-                                dtype=torch.float32))
+            return (zeros(num_slots, n, conv_size, kernel - 1, device=device, dtype=dtype),
+                    zeros(num_slots, n, num_heads, k_dim, v_dim, device=device,
+                          dtype=torch.float32))
 
         self.conv, self.state = states(ring)
         self.saved_conv, self.saved_state = states(saved)
