@@ -62,9 +62,11 @@ class Engine:
         self.draft_sources = drafts
         self.model, self.tokenizer = model, tokenizer
         self.calibration = calibration
-        model.fuse()
-        quantize_model(model, quant, quant_cache)
+        # Quantized, the fused projections' weights are made only where the cache lacks
+        # their codes; the draft head's rows are quantized with the rest.
+        model.fuse(weights=resolve(model, quant) == "none")
         reduced.install(model, tokenizer, draft_vocab)
+        quantize_model(model, quant, quant_cache)
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_seq_len = min(max_seq_len, model.cfg.max_position_embeddings)

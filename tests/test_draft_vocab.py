@@ -12,7 +12,8 @@ import torch
 
 from engine import Engine, GenParams
 from engine.decode.draft_vocab import DraftHead, ranked_ids
-from engine.model.quant import Packed, quantize_model
+from engine.model.codes import Packed
+from engine.model.quant import quantize_model
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
 from training.synthetic import write_checkpoint
@@ -44,9 +45,9 @@ def test_the_draft_head_is_the_heads_rows(model_dir: Path, tmp_path: Path, quant
     (the drafts' precision, quant.draft_mode): int4's error, no more."""
     model = load_model(model_dir)
     model.fuse()
-    quantize_model(model, quant)
     ids = ranked_ids(Tokenizer.from_dir(model_dir), 512, SIZE, tmp_path)
-    head = DraftHead(model, ids)
+    head = model.draft_head = DraftHead(model, ids)
+    quantize_model(model, quant)  # the draft head's rows with the rest
     x = torch.randn(2, 3, model.cfg.hidden_size)
     full, drafted = model.head(x), head(x)
     inside = torch.zeros(512, dtype=torch.bool)

@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from engine import Engine, GenParams
 from engine.cache.kv import CacheBatch
 from engine.cache.slots import Caches
+from engine.model.codes import QuantLinear, decode, encode
 from engine.model.config import ConfigError, ModelConfig
-from engine.model.quant import QuantLinear, decode, encode, quantize_model, targets
+from engine.model.quant import quantize_model, targets
 from engine.model.weights import CheckpointError, load_model
 from tests.conftest import load_exact
 from tests.gemma4 import WINDOW, F, S, text_config, write, write_tokenizer

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import native
-from engine.model.quant import Packed, encode
+from engine.model.codes import Packed, encode
 
 needs_vnni = pytest.mark.skipif(native.status() != "vnni",
                                 reason=f"the kernels do not run here: {native.status()}")
@@ -75,7 +75,7 @@ def test_the_kernel_runs_inside_a_compiled_graph() -> None:
 
 def _status_in(env: dict[str, str]) -> list[str]:
     """native.status() and the kernels a quantized layer runs on, in a fresh process."""
-    code = ("from engine import native; from engine.model.quant import Packed, encode;"
+    code = ("from engine import native; from engine.model.codes import Packed, encode;"
             "import torch; c, s, g = encode(torch.randn(32, 64), 'int8');"
             "p = Packed('int8', c, s, None, g); y = p(torch.randn(2, 64));"
             "print(native.status()); print(not p.native, tuple(y.shape))")

@@ -6,9 +6,11 @@ read back from the disk cache instead of computed (a changed checkpoint gets new
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,17 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, GenParams
-from engine.model.quant import (
-    MODES,
-    Packed,
-    QuantCache,
-    QuantError,
-    decode,
-    encode,
-    packed_weights,
-    quantize_model,
-    targets,
-)
+from engine.model.codes import Packed, QuantError, decode, encode
+from engine.model.quant import MODES, QuantCache, packed_weights, quantize_model, targets
 from engine.model.weights import CheckpointError, load_model, save_model
 from tests.conftest import load_exact
 from tests.test_identity import run_batched
@@ -113,32 +106,88 @@ def test_quantized_speculative_output_is_its_plain_decoding(hybrid_dir: Path, tm
     assert run_batched(engine, prompts, params) == plain
 
 
+def _head_out(engine: Engine) -> torch.Tensor:
+    x = torch.randn(2, engine.model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    return engine.model.head(x)
+
+
+def _rewrite(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """The cache file at `path` with its tensors changed by `change`, metadata kept."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    change(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+
+
 def test_codes_come_back_from_the_cache_and_a_changed_checkpoint_gets_new_ones(
         tmp_path: Path) -> None:
+    """A second load multiplies by what the cache file holds (our kernels' layout where they
+    run, else codes), and reads no weight the cache replaces; a changed checkpoint gets
+    codes of its own."""
+    from engine import native
+
     model_dir = tmp_path / "model"
     write_checkpoint(model_dir, "tiny-qwen3", seed=4)
     cache_root = tmp_path / "cache"
     first = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
     cache = QuantCache(cache_root, model_dir)
-    path = cache.path("int4")
-    assert path.is_file()
-    # Change the stored codes of the head: a load that reads the cache multiplies by them.
-    stored = load_file(str(path))
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
-    stored["head.codes"] = torch.zeros_like(stored["head.codes"]) + 0x88  # both nibbles 8
-    save_file(stored, str(path), metadata=metadata)
+    laid_out = native.available()
+    path = cache.path("int4", laid_out)
+    assert path.is_file() and len(list(cache_root.iterdir())) == 1
+    # Change the stored head: a load that reads the cache multiplies by it.
+    part = "head.layout" if laid_out else "head.codes"
+
+    def zero_head(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[part] = torch.zeros_like(tensors[part])
+
+    _rewrite(path, zero_head)
     second = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
-    head = packed_weights(second.model)["head"]
-    assert torch.equal(head.codes, stored["head.codes"])
-    assert not torch.equal(head.codes, packed_weights(first.model)["head"].codes)
+    want = cache.read(path, "int4")["head"].packed(None, torch.device("cpu"))  # type: ignore[index]
+    x = torch.randn(2, first.model.cfg.hidden_size)
+    assert torch.equal(second.model.head(x), want(x))
+    assert not torch.equal(second.model.head(x), first.model.head(x))
     # A checkpoint whose files changed is another checkpoint: its codes are computed anew.
     weights = model_dir / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     third = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
-    assert torch.equal(packed_weights(third.model)["head"].codes,
-                       packed_weights(first.model)["head"].codes)
+    assert torch.equal(third.model.head(x), first.model.head(x))
     assert len(list(cache_root.glob("*-int4-*.safetensors"))) == 2
+
+
+@needs_vnni
+def test_a_warm_load_maps_the_kernels_layout_and_reads_no_weight_it_replaces(
+        hybrid_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where our kernels run, the cache holds their layout: a second load packs nothing,
+    encodes nothing and asks for no full-precision weight (the fused projections' are never
+    made), and its steps give the first load's tokens."""
+    from engine.native import layout
+
+    kw = {"quant": "int4", "quant_cache": tmp_path, "max_seq_len": 128, "draft_vocab": 64}
+    first = Engine.load(hybrid_dir, **kw)  # type: ignore[arg-type]
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr(layout, "pack", refused)
+    monkeypatch.setattr("engine.native.pack", refused)
+    monkeypatch.setattr("engine.model.quant.encode", refused)  # as quantize_model calls it
+    from engine.model import quant
+
+    made = quant._weight_of
+
+    def shape_only(model: object, owner: object, attr: str, make: bool = True) -> object:
+        assert not make, f"the full-precision weight of {attr} asked for"
+        return made(model, owner, attr, make)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant, "_weight_of", shape_only)
+    again = Engine.load(hybrid_dir, **kw)  # type: ignore[arg-type]
+    packed = packed_weights(again.model)
+    assert packed and all(p.native for p in packed.values()) and "draft_head" in packed
+    assert all(p.packed.data_ptr() % 64 == 0 for p in packed.values())  # as the kernels like
+    prompt = torch.randint(300, 396, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert again.generate(prompt, GenParams(16, stop_loops=False)).tokens == \
+        first.generate(prompt, GenParams(16, stop_loops=False)).tokens
 
 
 @needs_vnni
@@ -147,46 +196,59 @@ def test_under_int8_the_drafts_run_in_int4_and_their_codes_come_back_from_the_ca
     """int8 where our kernels run: the trunk and the whole head in int8, the MTP module and
     the reduced draft head in int4 (drafts only propose: the output stays int8's, which
     `test_quantized_speculative_output_is_its_plain_decoding` holds); a second load reads
-    every code back from the cache file of that mix, and an older cache of the whole model
-    in int8 gives its trunk and head codes."""
+    every weight back from the cache file of that mix; an older cache of codes (of the whole
+    model in int8, from before the drafts had their own mode) gives its trunk and head, and
+    is replaced by the file in our kernels' layout."""
     from engine.model.quant import describe
 
-    engine = Engine.load(hybrid_dir, quant="int8", quant_cache=tmp_path, max_seq_len=128,
-                         draft_vocab=64)
+    kw = {"quant": "int8", "max_seq_len": 128, "draft_vocab": 64}
+    engine = Engine.load(hybrid_dir, quant_cache=tmp_path, **kw)  # type: ignore[arg-type]
     model = engine.model
     modes = {name: p.mode for name, p in packed_weights(model).items()}
-    assert {m for n, m in modes.items() if n.startswith("mtp.")} == {"int4"}
-    assert {m for n, m in modes.items() if not n.startswith("mtp.")} == {"int8"}
+    drafting = {"draft_head"} | {n for n in modes if n.startswith("mtp.")}
+    assert {modes[n] for n in drafting} == {"int4"}
+    assert {m for n, m in modes.items() if n not in drafting} == {"int8"}
     assert model.draft_head is not None and isinstance(model.draft_head.rows, Packed)
     assert model.draft_head.rows.mode == "int4" and describe(model).endswith("drafts int4)")
-    path = QuantCache(tmp_path, hybrid_dir).path("int8-drafts-int4")
-    assert path.is_file() and not QuantCache(tmp_path, hybrid_dir).path("int8").exists()
-    again = Engine.load(hybrid_dir, quant="int8", quant_cache=tmp_path, max_seq_len=128,
-                        draft_vocab=64)
+    cache = QuantCache(tmp_path, hybrid_dir)
+    path = cache.path("int8-drafts-int4", laid_out=True)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    again = Engine.load(hybrid_dir, quant_cache=tmp_path, **kw)  # type: ignore[arg-type]
     stored = load_file(str(path))
-    for name, packed in packed_weights(again.model).items():
-        assert torch.equal(packed.raw_scales, stored[f"{name}.scales"]), name
+    for name, p in packed_weights(again.model).items():
+        assert torch.equal(p.packed, stored[f"{name}.layout"]), name
     prompt = torch.randint(300, 396, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     assert again.generate(prompt, GenParams(16, stop_loops=False)).tokens == \
         engine.generate(prompt, GenParams(16, stop_loops=False)).tokens
-    # A cache of the whole model in int8 (from before the drafts had their own mode): its
-    # trunk and head codes serve, the module's are made in int4, and the mix is written.
+    # A cache of codes of the whole model in int8, as written before: its trunk and head
+    # serve, the module and the draft head are made in int4, and the new file replaces it.
     older = tmp_path / "older"
-    monkeypatch.setattr("engine.model.quant.draft_mode", lambda model, mode: mode)
-    Engine.load(hybrid_dir, quant="int8", quant_cache=older, max_seq_len=128)
-    monkeypatch.undo()
-    whole = QuantCache(older, hybrid_dir).path("int8")
-    tensors = load_file(str(whole))
-    with safe_open(str(whole), framework="pt") as f:
-        metadata = f.metadata()
-    tensors["head.codes"] = torch.zeros_like(tensors["head.codes"])  # the load must read it
-    save_file(tensors, str(whole), metadata=metadata)
-    third = Engine.load(hybrid_dir, quant="int8", quant_cache=older, max_seq_len=128,
-                        draft_vocab=64)
+    older_cache = QuantCache(older, hybrid_dir)
+    whole = older_cache.path("int8")
+    model = Engine.load(hybrid_dir, quant="none", max_seq_len=128).model
+    codes = {name: encode(quant_weight(model, name), "int8") for name in targets(model)
+             if name != "draft_head"}
+    codes["head"] = (torch.zeros_like(codes["head"][0]), *codes["head"][1:])  # must be read
+    tensors = {f"{n}.{part}": t for n, (c, s, _) in codes.items()
+               for part, t in (("codes", c), ("scales", s))}
+    older.mkdir()
+    save_file(tensors, str(whole), metadata={"groups": json.dumps({n: g for n, (_, _, g)
+                                                                   in codes.items()})})
+    third = Engine.load(hybrid_dir, quant_cache=older, **kw)  # type: ignore[arg-type]
     packed = packed_weights(third.model)
-    assert not packed["head"].codes.any()
-    assert {packed[n].mode for n in packed if n.startswith("mtp.")} == {"int4"}
-    assert QuantCache(older, hybrid_dir).path("int8-drafts-int4").is_file()
+    # zero codes, the old file's head: nothing but the kernel's rounding
+    assert _head_out(third).abs().max() < 1e-4 * _head_out(engine).abs().max()
+    assert {packed[n].mode for n in packed if n in drafting} == {"int4"}
+    assert [p.name for p in older.iterdir()] == \
+        [older_cache.path("int8-drafts-int4", laid_out=True).name]
+
+
+def quant_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The full-precision weight of the target `name` of an unquantized engine's model."""
+    from engine.model.quant import _weight_of
+
+    owner, attr = targets(model)[name]  # type: ignore[arg-type]
+    return _weight_of(model, owner, attr)  # type: ignore[arg-type]
 
 
 def test_the_cli_runs_a_quantized_model_and_status_names_it(trained_dir: Path,

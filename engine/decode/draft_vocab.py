@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from engine.model.codes import Packed
 from engine.model.layers import Dense
-from engine.model.quant import Packed
 from engine.model.transformer import Transformer
 from engine.paths import cache_dir, write_replacing
 from engine.tokenizer import Tokenizer
@@ -70,21 +70,20 @@ def ranked_ids(tokenizer: Tokenizer, vocab_size: int, size: int,
 
 
 class DraftHead:
-    """The head's rows for `ids`: logits [..., V] with -inf outside them."""
+    """The head's rows for `ids`: logits [..., V] with -inf outside them. Made from the
+    full-precision head, before quantization, which encodes the rows as one of its targets
+    (in the drafts' precision: quant.draft_mode)."""
 
     def __init__(self, model: Transformer, ids: list[int]) -> None:
         device = model.model.embed_tokens.weight.device
         self.ids = torch.tensor(ids, device=device)
         self.vocab_size = model.cfg.vocab_size
-        head = model.head_weight
-        if isinstance(head, Packed):
-            self.rows: Dense | Packed = head.rows(self.ids)
-            if model.draft_quant != head.mode:  # the drafts' own precision (quant.draft_mode)
-                self.rows = self.rows.recoded(model.draft_quant)
-        else:
-            w = model.model.embed_tokens.weight if model.cfg.tie_word_embeddings \
-                else model.lm_head.weight
-            self.rows = Dense(w.detach()[self.ids].contiguous())
+        if model.head_weight is not None:
+            raise ValueError("the draft head is made before the model is quantized "
+                             "(quantize_model encodes its rows)")
+        w = model.model.embed_tokens.weight if model.cfg.tie_word_embeddings \
+            else model.lm_head.weight
+        self.rows: Dense | Packed = Dense(w.detach()[self.ids].contiguous())
 
     def __call__(self, x: Tensor) -> Tensor:
         sub = self.rows(x)  # [..., n]

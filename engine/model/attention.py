@@ -47,9 +47,10 @@ class Attention(nn.Module):
         # see above) unless the engine does not keep speculative output bit-identical.
         self.exact = True
 
-    def fuse(self) -> None:
+    def fuse(self, weights: bool = True) -> None:
         """Q, K and V as one matmul (see `fuse_linears`)."""
-        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
+        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED),
+                                  weights=weights)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], batch: CacheBatch | None = None,
                 cache: KVCache | None = None) -> Tensor:

@@ -25,9 +25,9 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = norm(cfg)
         self.mlp = MLP(cfg)
 
-    def fuse(self) -> None:
-        (self.linear_attn if self.linear else self.self_attn).fuse()
-        self.mlp.fuse()
+    def fuse(self, weights: bool = True) -> None:
+        (self.linear_attn if self.linear else self.self_attn).fuse(weights)
+        self.mlp.fuse(weights)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], batch: CacheBatch | None = None,
                 cache: KVCache | StateCache | None = None) -> Tensor:

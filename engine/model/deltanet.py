@@ -72,11 +72,12 @@ class GatedDeltaNet(nn.Module):
         # fp32 conv weights, A_log, dt_bias and norm weight, for the step's kernels
         self.step_params: tuple[Tensor, ...] = ()
 
-    def fuse(self) -> None:
+    def fuse(self, weights: bool = True) -> None:
         """The four input projections as one matmul (see `fuse_linears`); the convolution's
         weights (by tap, [K, C]) and the gates' parameters in fp32 for the decode kernel
         (native/gdn.c)."""
-        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
+        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED),
+                                  weights=weights)
         self.step_params = tuple(t.detach().float().contiguous() for t in (
             self.conv1d.weight[:, 0].t(), self.A_log, self.dt_bias, self.norm.weight))
 

@@ -60,9 +60,10 @@ class Gemma4Attention(nn.Module):
         self.fused: Dense | None = None
         self.exact = True  # as Attention.exact
 
-    def fuse(self) -> None:
+    def fuse(self, weights: bool = True) -> None:
         if self.FUSED:
-            self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
+            self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED),
+                                      weights=weights)
 
     def projections(self, x: Tensor) -> list[Tensor]:
         """q, then (unless shared) k, then (unless keys are values) v."""
@@ -122,9 +123,9 @@ class Gemma4Block(nn.Module):
             self.per_layer_projection = nn.Linear(width, cfg.hidden_size, bias=False)
             self.post_per_layer_input_norm = norm(cfg)
 
-    def fuse(self) -> None:
-        self.self_attn.fuse()
-        self.mlp.fuse()
+    def fuse(self, weights: bool = True) -> None:
+        self.self_attn.fuse(weights)
+        self.mlp.fuse(weights)
 
     def forward(self, x: Tensor, rope: Rope, mask: Tensor, stash: Stash,
                 per_layer: Tensor | None, batch: CacheBatch | None = None,

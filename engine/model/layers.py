@@ -70,14 +70,25 @@ class Dense:
     def __call__(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    @property
+    def deferred(self) -> bool:
+        """Whether the weight is unmade (`fuse_linears` with `weights` False)."""
+        return self.weight.is_meta
 
-def fuse_linears(*linears: nn.Linear) -> Dense:
+
+def fuse_linears(*linears: nn.Linear, weights: bool = True) -> Dense:
     """One weight (and bias) for several linear layers over the same input, so that they run
     as one matmul; the layers' own parameters become views into it (no memory is added, and
-    loading, saving and training see them as before)."""
+    loading, saving and training see them as before). `weights` False: the fused weight is
+    left unmade (on the meta device, its shape and dtype) and the layers keep theirs, for
+    engine.model.quant to replace the product with codes it may have on disk (`deferred`)."""
     with torch.no_grad():
-        weight = torch.cat([lin.weight for lin in linears])
         bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        if not weights:
+            first = linears[0].weight
+            return Dense(torch.empty(sum(lin.out_features for lin in linears),
+                                     first.shape[1], dtype=first.dtype, device="meta"), bias)
+        weight = torch.cat([lin.weight for lin in linears])
         start = 0
         for lin in linears:
             end = start + lin.out_features
@@ -115,9 +126,10 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.fused: Dense | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, weights: bool = True) -> None:
         """Gate and up as one matmul (see `fuse_linears`)."""
-        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED))
+        self.fused = fuse_linears(*(getattr(self, name) for name in self.FUSED),
+                                  weights=weights)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is None:

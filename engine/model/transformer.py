@@ -91,12 +91,13 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return same_path(torch.tanh, logits / cap) * cap if cap else logits
 
-    def fuse(self) -> None:
+    def fuse(self, weights: bool = True) -> None:
         """Each block's Q, K, V and its gate and up projections as one matmul each, for
-        decoding (the parameters stay as they are, views into the fused weights)."""
+        decoding (the parameters stay as they are, views into the fused weights). `weights`
+        False: the fused weights left unmade, for quantization (see `fuse_linears`)."""
         for module in self.modules():
             if isinstance(module, DecoderBlock | Gemma4Block):
-                module.fuse()
+                module.fuse(weights)
 
     def set_exact(self, exact: bool) -> None:
         """Whether cached attention keeps each row's bits whatever the call's shape (see

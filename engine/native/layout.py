@@ -9,6 +9,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 TILE = 16  # outputs a tile (wq.c's TILE)
+# The version of `pack`'s layout, which a quant cache of packed weights names (see
+# engine.model.quant.QuantCache): a change to the layout or to what wq.c reads from it gives
+# a new one.
+LAYOUT = 1
 GROUPS = (128, 64, 32)  # inputs an activation group: the largest that divides the width
 
 
