@@ -158,13 +158,20 @@ def test_codes_come_back_from_the_cache_and_a_changed_checkpoint_gets_new_ones(
 @needs_vnni
 def test_a_warm_load_maps_the_kernels_layout_and_reads_no_weight_it_replaces(
         hybrid_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where our kernels run, the cache holds their layout: a second load packs nothing,
-    encodes nothing and asks for no full-precision weight (the fused projections' are never
-    made), and its steps give the first load's tokens."""
+    """Where our kernels run, the cache holds their layout (a file of another layout version
+    is removed when it is written): a second load packs nothing, encodes nothing and asks for
+    no full-precision weight (the fused projections' are never made), its weights start on
+    64-byte lines, and its steps give the first load's tokens."""
+    from engine import native
     from engine.native import layout
 
     kw = {"quant": "int4", "quant_cache": tmp_path, "max_seq_len": 128, "draft_vocab": 64}
+    path = QuantCache(tmp_path, hybrid_dir).path("int4", laid_out=True)
+    older = path.with_name(path.name.replace(f"-wq{native.LAYOUT}.", "-wq0."))
+    tmp_path.mkdir(exist_ok=True)
+    older.write_bytes(b"a layout of another version")
     first = Engine.load(hybrid_dir, **kw)  # type: ignore[arg-type]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the other version removed
 
     def refused(*args: object, **kwargs: object) -> None:
         raise AssertionError("packed again")

@@ -308,8 +308,11 @@ class QuantCache:
                 "rows": {n: e.rows for n, e in entries.items()}}
         metadata = {k: json.dumps(v) for k, v in meta.items()}
         metadata.update(layout=str(native.LAYOUT), draft_ids=draft_ids)
-        write_replacing(self.path(key, laid_out),
-                        lambda tmp: save_aligned(tensors, tmp, metadata))
+        path = self.path(key, laid_out)
+        write_replacing(path, lambda tmp: save_aligned(tensors, tmp, metadata))
+        for stale in self.root.glob(f"{self.key}-{key}-g{GROUP}-wq*.safetensors"):
+            if stale != path:  # a layout of another version: what it held is in this one
+                stale.unlink(missing_ok=True)
 
 
 ALIGN = 64  # bytes: a cache line, and what the kernels' tiles start on in memory
