@@ -26,7 +26,7 @@ from engine.exec.calibration import warm_up
 from engine.generation import Generation
 from engine.model.assistant import Assistant
 from engine.model.presets import ASSISTANTS, PRESETS
-from engine.model.quant import describe, packed_weights
+from engine.model.quant import describe, drafts_only, packed_weights
 from engine.model.transformer import Transformer
 from engine.native.timing import timed
 from engine.tokenizer import Tokenizer
@@ -333,7 +333,7 @@ def _weight_bytes(model: Transformer) -> int:
     per_layer = getattr(model.model, "embed_tokens_per_layer", None)
     skip = {id(p) for m in (model.mtp, model.assistant, per_layer) if m is not None
             for p in m.parameters()}
-    packed = {name: w for name, w in packed_weights(model).items() if not name.startswith("mtp.")}
+    packed = {name: w for name, w in packed_weights(model).items() if not drafts_only(name)}
     if packed and model.cfg.tie_word_embeddings:
         skip.add(id(model.model.embed_tokens.weight))
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip) \

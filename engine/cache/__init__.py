@@ -18,7 +18,7 @@ def zeros(*shape: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     page cache was full), and a slot never used pays nothing. Freed with the tensor."""
     if device.type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
-    size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     if size == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype).view(shape)

@@ -81,9 +81,7 @@ class DraftHead:
         if model.head_weight is not None:
             raise ValueError("the draft head is made before the model is quantized "
                              "(quantize_model encodes its rows)")
-        w = model.model.embed_tokens.weight if model.cfg.tie_word_embeddings \
-            else model.lm_head.weight
-        self.rows: Dense | Packed = Dense(w.detach()[self.ids].contiguous())
+        self.rows: Dense | Packed = Dense(model.head_matrix().detach()[self.ids].contiguous())
 
     def __call__(self, x: Tensor) -> Tensor:
         sub = self.rows(x)  # [..., n]

@@ -55,10 +55,7 @@ class Packed:
         in_features = codes.shape[1] * (2 if mode == "int4" else 1)
         self.native_group = group or native.group_for(in_features) or 0
         if not cuda and mode in ("int8", "int4") and native.available() and self.native_group:
-            self.native = True
-            self.packed = native.pack(mode, codes, scales, self.native_group)
-            self.scales = scales.new_empty(0)
-            self.bias32 = None if bias is None else bias.float().contiguous()
+            self._run_native(native.pack(mode, codes, scales, self.native_group))
             return
         if mode in ("int8", "int8dyn"):
             if cuda:
@@ -102,11 +99,15 @@ class Packed:
         with activation groups of `group` inputs: a cache's), used as they are."""
         self = cls.__new__(cls)
         self.mode, self.bias, self.out_features = mode, bias, out_features
-        self.group = group if mode == "int4" else 0
-        self.native, self.native_group, self.packed = True, group, layout
-        self.codes = self.raw_scales = self.scales = layout.new_empty(0)
-        self.bias32 = None if bias is None else bias.float().contiguous()
+        self.group, self.native_group = group if mode == "int4" else 0, group
+        self.codes = self.raw_scales = layout.new_empty(0)
+        self._run_native(layout)
         return self
+
+    def _run_native(self, layout: Tensor) -> None:
+        """Our kernels multiply, from `layout` (native.pack's)."""
+        self.native, self.packed, self.scales = True, layout, layout.new_empty(0)
+        self.bias32 = None if self.bias is None else self.bias.float().contiguous()
 
     def drop_codes(self) -> None:
         """Forget the codes where another form of them runs (`packed`): only a cache write

@@ -207,9 +207,7 @@ def _weight_of(model: Transformer, owner: object, attr: str, make: bool = True) 
     here from the projections it fuses, or (`make` False: for its shape and dtype) as it is,
     on the meta device."""
     if attr == "head_weight":
-        w = model.model.embed_tokens.weight if model.cfg.tie_word_embeddings \
-            else model.lm_head.weight
-        return w.detach()
+        return model.head_matrix().detach()
     target = getattr(owner, attr)
     if isinstance(target, Dense) and target.deferred and make:
         parts = getattr(owner, "FUSED", ())

@@ -85,11 +85,14 @@ class Transformer(nn.Module):
         if self.head_weight is not None:  # quantized (engine/model/quant.py)
             logits = self.head_weight(h)
         else:
-            w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings \
-                else self.lm_head.weight
-            logits = F.linear(h, w)
+            logits = F.linear(h, self.head_matrix())
         cap = self.cfg.final_logit_softcapping
         return same_path(torch.tanh, logits / cap) * cap if cap else logits
+
+    def head_matrix(self) -> Tensor:
+        """The head's full-precision weight [V, H]: the tied embedding, or lm_head's."""
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings \
+            else self.lm_head.weight
 
     def fuse(self, weights: bool = True) -> None:
         """Each block's Q, K, V and its gate and up projections as one matmul each, for

@@ -26,8 +26,8 @@ def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
     nibble first) with scales [N, K / group, 2] (scale, value of code 8); int8 codes [N, K]
     with one scale a row. Returns uint8 [tiles, K / group, block]: each group's codes
     (`body` bytes), then its 16 outputs' fp16 scales and offsets. Written into the result
-    in place, a pass over the codes or two (each load packs again: Qwen3.5-2B's 1.9 GB of
-    int8 codes took 13 s in five passes)."""
+    in place, a pass over the codes or two (a first load packs every weight: Qwen3.5-2B's
+    1.9 GB of int8 codes took 13 s in five passes; a warm one maps the cache's layout)."""
     n = codes.shape[0]
     pad = -n % TILE
     tiles = (n + pad) // TILE
