@@ -113,9 +113,13 @@ def test_argmax_and_log_sum_exp_of_logits(dtype: torch.dtype, vocab: int) -> Non
     assert torch.equal(index, logits.float().argmax(-1)) and index[1] == 0
     assert index[4] == (4 if vocab < 64 else 20)
     assert torch.allclose(lse, logits.float().logsumexp(-1), rtol=1e-6, atol=1e-6)
+    same, top, same_lse = rows.argmax_max_lse(logits[None])  # with the maximum itself
+    assert torch.equal(same[0], index) and torch.equal(same_lse[0], lse)
+    assert torch.equal(top[0], logits.float().amax(-1)) and top.shape == (1, 5)
     logits[2, 7] = logits[2, 9] = float("nan")  # torch's argmax: the first NaN
     index, lse = rows.argmax_lse(logits)
     assert index[2] == 7 and torch.isnan(lse[2])
+    assert torch.isnan(rows.argmax_max_lse(logits)[1][2])
 
 
 @pytest.mark.parametrize("draft_vocab", [64, 0], ids=["reduced-vocabulary", "whole"])

@@ -59,6 +59,8 @@ def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: T
     function making one draft (`draft_one`, or a compiled copy of it)."""
     draft = draft or draft_one
     chain = Chain.start(state, slots)
+    if not confident:  # no row adapts: its drafts' probabilities are not computed, and read 1
+        state.confidence.index_fill_(0, slots, 1.0)
     tok = base  # unused by the first draft
     m = 0
     for j in range(1, k + 1):
@@ -91,24 +93,27 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
         pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
         out = model.mtp_forward(m, h, prev[:, None], caches.rope(pos),
                                 CacheBatch(slots, pos, kv_len, span), caches.modules[m])
-    greedy = None if sampling.sampled else model.mtp_greedy(m, out)
+    greedy = None if sampling.sampled else model.mtp_greedy(m, out, prob=confident)
+    q: Tensor | None = None
     if greedy is not None:
         tok, top = greedy
-        q = None
-        conf = top[:, 0] if confident else torch.ones_like(chain.survival)
+        conf = None if top is None else top[:, 0]
     else:
         logits = model.mtp_logits(m, out)  # [B, 1, V]
         tok, q = sampling.pick(logits, (base + j)[:, None], DRAFT)  # for position base + j
-        conf = _confidence(logits, tok, q) if confident else torch.ones_like(chain.survival)
+        conf = _confidence(logits, tok, q) if confident else None
     rows = slots[:, None]  # [B, 1] against j [1]: tensor indices, not a read of j's value
     state.tokens[rows, j] = tok
-    state.confidence[rows, j - 1] = conf[:, None]
     if q is not None:
         state.draft_probs[rows, j - 1] = q
     chain.count = chain.count + chain.alive.long()
-    chain.survival, go_on = chain_rule(state.chain_accept, state.chain_limit, j,
-                                       chain.survival, conf, chain.floor, chain.adaptive)
-    chain.alive = chain.alive & go_on & (j < chain.k_limit)
+    go_on = j < chain.k_limit
+    if conf is not None:  # the rule (else no row adapts, and the rule lets each go on)
+        state.confidence[rows, j - 1] = conf[:, None]
+        chain.survival, more = chain_rule(state.chain_accept, state.chain_limit, j,
+                                          chain.survival, conf, chain.floor, chain.adaptive)
+        go_on = go_on & more
+    chain.alive = chain.alive & go_on
     return out, tok[:, 0]
 
 

@@ -40,7 +40,7 @@ class Shape:
     kv_len: int  # keys each row attends over
     sampled: bool = False  # some row samples (else every row is greedy)
     nucleus: bool = False  # some row cuts the tail (top-p)
-    confident: bool = False  # the chain rule needs each draft's probability
+    confident: bool = False  # some row adapts: the chain rule runs on each draft's probability
     early_exit: bool = False  # eager only: end the chain once no row goes on
     span: tuple[int, int] | None = None  # eager only: the slots are these, in order
 

@@ -134,20 +134,20 @@ class Transformer(nn.Module):
         head = self.draft_head or self.head
         return head(module.norm(out))
 
-    def mtp_greedy(self, i: int, out: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Module i's greedy draft and the softmax's probability of it, [B, S] each, from
-        one pass over its logits where our kernels take them (rows.c; the drafts' reduced
-        vocabulary scored alone, none of the -inf logits outside it made): what
-        `mtp_logits`, an argmax and a softmax give. None elsewhere."""
+    def mtp_greedy(self, i: int, out: Tensor, prob: bool = True
+                   ) -> tuple[Tensor, Tensor | None] | None:
+        """Module i's greedy draft and (`prob`, else None) the softmax's probability of it,
+        [B, S] each, from one pass over its logits where our kernels take them (rows.c; the
+        drafts' reduced vocabulary scored alone, none of the -inf logits outside it made):
+        what `mtp_logits`, an argmax and a softmax give. None elsewhere."""
         if self.assistant is not None or not rows.takes_logits(out):
             return None
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         x = module.norm(out)
         logits = self.head(x) if self.draft_head is None else self.draft_head.rows(x)
-        index, lse = rows.argmax_lse(logits)
-        top = logits.gather(-1, index[..., None]).squeeze(-1).float()
+        index, top, lse = rows.argmax_max_lse(logits)
         tok = index if self.draft_head is None else self.draft_head.ids[index]
-        return tok, torch.exp(top - lse)
+        return tok, torch.exp(top - lse) if prob else None
 
     def chain_hidden(self, i: int, out: Tensor) -> Tensor:
         """What the next draft step receives as its hidden state."""

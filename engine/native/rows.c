@@ -99,13 +99,14 @@ void rope(const uint16_t *x, int64_t row_stride, int64_t head_stride, int64_t ro
 }
 
 /* Per row of `v` values (row r at x + r * stride; fp32, or bf16 when bf16 != 0): the index
-   of its first maximum (a NaN counting as the maximum, its first one, as torch's argmax) and
-   log sum exp. Four vectors of 16 a turn, each with its own running maximum and sum (one
-   chain of dependent operations would wait on each compare and add), the last turn masked;
-   a lane keeps the first index of its maximum, and the answer is the least index of the
-   lanes that hold the row's maximum. */
+   of its first maximum (a NaN counting as the maximum, its first one, as torch's argmax),
+   log sum exp and, where `value` is not NULL, the maximum itself (a draft's probability is
+   exp(value - lse): no gather of it after). Four vectors of 16 a turn, each with its own
+   running maximum and sum (one chain of dependent operations would wait on each compare
+   and add), the last turn masked; a lane keeps the first index of its maximum, and the
+   answer is the least index of the lanes that hold the row's maximum. */
 void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16,
-                int64_t *index, float *lse, int threads) {
+                int64_t *index, float *lse, float *value, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const char *row = (const char *)x + r * stride * (bf16 ? 2 : 4);
@@ -134,6 +135,7 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
             while (scalar(row, i, bf16) == scalar(row, i, bf16)) i++;
             index[r] = i;
             lse[r] = NAN;
+            if (value) value[r] = NAN;
             continue;
         }
         const __m512 top4 = _mm512_max_ps(_mm512_max_ps(best[0], best[1]),
@@ -142,6 +144,7 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
         if (top == -INFINITY) {  /* every logit -inf: the first, as torch's argmax */
             index[r] = 0;
             lse[r] = -INFINITY;
+            if (value) value[r] = -INFINITY;
             continue;
         }
         const __m512 t = _mm512_set1_ps(top);
@@ -150,6 +153,7 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
             first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(best[u], t, _CMP_EQ_OQ),
                                           first, at[u]);
         index[r] = _mm512_reduce_min_epi32(first);
+        if (value) value[r] = top;
         __m512 sum[4];
         for (int u = 0; u < 4; u++) sum[u] = _mm512_setzero_ps();
         for (int64_t i = 0; i < v; i += 64)

@@ -29,7 +29,7 @@ def _fns() -> tuple[Any, ...]:  # ctypes functions
                      ctypes.c_int, ptr]
     gate.argtypes = [ptr, i64, i64, i64, ptr]
     rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
-    top.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ctypes.c_int]
+    top.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
     return norm, gate, rope, top
 
 
@@ -134,14 +134,28 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def argmax_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
     """Per row of logits [..., V] (bf16 or fp32): the index of its first maximum (torch's
     argmax) and its log-sum-exp (fp32)."""
+    index, lse, _ = _argmax_lse(logits, False)
+    return index, lse
+
+
+def argmax_max_lse(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`argmax_lse` and the maximum itself (fp32), so that the top token's probability,
+    exp(max - lse), needs no gather of it."""
+    index, lse, top = _argmax_lse(logits, True)
+    assert top is not None
+    return index, top, lse
+
+
+def _argmax_lse(logits: Tensor, value: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     rows = _rows(logits)
-    index = torch.empty(rows.shape[0], dtype=torch.int64)
-    lse = torch.empty(rows.shape[0], dtype=torch.float32)
-    _fns()[3](rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
+    n, shape = rows.shape[0], logits.shape[:-1]
+    index = torch.empty(shape, dtype=torch.int64)
+    lse = torch.empty(shape, dtype=torch.float32)
+    top = torch.empty(shape, dtype=torch.float32) if value else None
+    _fns()[3](rows.data_ptr(), rows.stride(0), n, rows.shape[1],
               int(rows.dtype == torch.bfloat16), index.data_ptr(), lse.data_ptr(),
-              torch.get_num_threads())
-    shape = logits.shape[:-1]
-    return index.view(shape), lse.view(shape)
+              None if top is None else top.data_ptr(), torch.get_num_threads())
+    return index, lse, top
 
 
 @torch.library.custom_op("ahead::rms_norm", mutates_args=())

@@ -16,7 +16,7 @@ KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention"
                 "run_gdn_prepare": "Gated DeltaNet inputs",
                 "run_gdn_gated_norm": "Gated DeltaNet norm"}
 ROW_PARTS = {"_rms_norm": "norms", "_silu_mul": "SwiGLU gate", "_rope": "rotary embeddings",
-             "argmax_lse": "argmax of the logits"}
+             "_argmax_lse": "argmax of the logits"}
 
 
 @contextlib.contextmanager
