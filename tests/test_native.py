@@ -13,6 +13,7 @@ import torch
 
 from engine import native
 from engine.model.codes import Packed, encode
+from engine.native import rows as row_ops
 
 needs_vnni = pytest.mark.skipif(native.status() != "vnni",
                                 reason=f"the kernels do not run here: {native.status()}")
@@ -63,6 +64,49 @@ def test_a_rows_bits_are_its_own_in_any_batch_and_on_any_number_of_threads(mode:
         assert torch.equal(layer(x), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [1000, 37])  # many tiles a thread; a partial last tile
+def test_the_products_argmax_and_log_sum_exp_are_those_of_what_it_stores(
+        mode: str, threads: int, n: int) -> None:
+    """`Packed.top` (wq.c `wq_linear_top`): the same outputs as the product, and per row the
+    argmax, maximum and log-sum-exp rows.c gives of them, NaN and all -inf included: ties
+    across tiles and threads go to the first index, as torch's argmax."""
+    layer, _ = _layer(mode, n, 128, seed=3)
+    assert layer.bias32 is not None
+    # two outputs far above the rest, equal once rounded to bf16 (1000 + less than 4): a tie
+    # in a tile of the first thread and one of the second, or of one thread's tiles
+    layer.bias32[n // 2] = layer.bias32[n - 1] = 1000.0
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.inference_mode():
+                got = layer.top(x.to(dtype))
+            assert got is not None
+            out, index, top, lse = got
+            assert torch.equal(out, layer(x.to(dtype)))
+            want_index, want_lse = row_ops.argmax_lse(out)
+            assert torch.equal(index, want_index)
+            if dtype == torch.bfloat16:
+                assert bool((index == n // 2).all())
+            assert torch.equal(top, out.float().amax(-1))
+            assert torch.allclose(lse, want_lse, rtol=1e-6, atol=1e-5)
+        layer.bias32[:] = float("-inf")  # every output -inf: index 0, lse -inf
+        with torch.inference_mode():
+            got = layer.top(x)
+        assert got is not None and bool((got[1] == 0).all()) and bool(torch.isinf(got[3]).all())
+        layer.bias32[:] = 0.0
+        layer.bias32[n - 2] = float("nan")  # a NaN: its index, lse NaN
+        with torch.inference_mode():
+            got = layer.top(x)
+        assert got is not None and bool((got[1] == n - 2).all()) and bool(got[3].isnan().all())
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_vnni

@@ -97,10 +97,11 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
     q = _draft_probs(state, slots, tokens, width) if shape.sampled else None
-    logits = model.head(h)  # [B, W, V]: once for the argmax, log-probs and p
+    fused = None if shape.sampled else model.head_top(h)  # argmax, log-sum-exp as stored
+    logits = model.head(h) if fused is None else fused[0]  # [B, W, V]: argmax, log-probs, p
     lse = None
-    if not shape.sampled and rows.takes_logits(logits):  # argmax, log-sum-exp: one pass
-        target, lse = rows.argmax_lse(logits)
+    if fused is not None or (not shape.sampled and rows.takes_logits(logits)):
+        target, lse = (fused[1], fused[3]) if fused is not None else rows.argmax_lse(logits)
         out, n = accept_target(tokens[:, 1:], target, state.num_drafts[slots])
     else:
         logits = logits.float()

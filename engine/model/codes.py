@@ -92,6 +92,20 @@ class Packed:
         y = y[:, :self.out_features].to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def top(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """y = self(x) and per row of it [...] its argmax, maximum and log-sum-exp (fp32),
+        summed while our kernel stores y (wq.c `wq_linear_top`: a head's logits are not read
+        again); None where our kernel does not run this eagerly in inference."""
+        if not self.native or torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return None
+        shape = x.shape[:-1]
+        index = torch.empty(shape, dtype=torch.int64)
+        top, lse = torch.empty(shape), torch.empty(shape)
+        y = native.kernels().run_linear(x, self.packed, self.bias32,
+                                        4 if self.mode == "int4" else 8, self.out_features,
+                                        self.native_group, (index, lse, top))
+        return y, index, top, lse
+
     @classmethod
     def laid_out(cls, mode: str, layout: Tensor, bias: Tensor | None, group: int,
                  out_features: int) -> Packed:

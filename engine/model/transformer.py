@@ -23,6 +23,7 @@ from engine.cache.state import StateCache
 from engine.model.assistant import Assistant
 from engine.model.attention import Attention
 from engine.model.block import DecoderBlock, run_block
+from engine.model.codes import Packed
 from engine.model.config import ModelConfig
 from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
 from engine.model.layers import norm, rope_tables, same_path
@@ -89,6 +90,13 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return same_path(torch.tanh, logits / cap) * cap if cap else logits
 
+    def head_top(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """`head(h)` with each row's argmax, maximum and log-sum-exp, summed as our kernel
+        stores the logits (`Packed.top`), where it runs the head; None elsewhere."""
+        if self.cfg.final_logit_softcapping or not isinstance(self.head_weight, Packed):
+            return None
+        return self.head_weight.top(h)
+
     def head_matrix(self) -> Tensor:
         """The head's full-precision weight [V, H]: the tied embedding, or lm_head's."""
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings \
@@ -144,8 +152,16 @@ class Transformer(nn.Module):
             return None
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         x = module.norm(out)
-        logits = self.head(x) if self.draft_head is None else self.draft_head.rows(x)
-        index, top, lse = rows.argmax_max_lse(logits)
+        if self.draft_head is None:
+            fused = self.head_top(x)
+        else:
+            weight = self.draft_head.rows
+            fused = weight.top(x) if isinstance(weight, Packed) else None
+        if fused is not None:  # the argmax summed as the kernel stored the logits
+            _, index, top, lse = fused
+        else:
+            logits = self.head(x) if self.draft_head is None else self.draft_head.rows(x)
+            index, top, lse = rows.argmax_max_lse(logits)
         tok = index if self.draft_head is None else self.draft_head.ids[index]
         return tok, torch.exp(top - lse) if prob else None
 

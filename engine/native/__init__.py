@@ -58,6 +58,9 @@ class Kernels:
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         self._linear = fn
+        self._linear_top = lib.wq_linear_top
+        self._linear_top.restype = ctypes.c_int
+        self._linear_top.argtypes = [*fn.argtypes, *[ctypes.c_void_p] * 3]
         att = lib.causal_attention
         att.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -169,15 +172,17 @@ class Kernels:
         return out
 
     def run_linear(self, x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
-                   group: int) -> Tensor:
+                   group: int, top: tuple[Tensor, ...] = ()) -> Tensor:
+        """(`top`: index, lse and value tensors of y's rows for `wq_linear_top` to fill.)"""
         dtype, k = x.dtype, x.shape[-1]
         # x itself, the usual case: no view made
         rows = (x if dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
         y = rows.new_empty(*x.shape[:-1], n)
-        if self._linear(w.data_ptr(), bits, n, k, group,
-                    None if bias is None else bias.data_ptr(), rows.data_ptr(), y.data_ptr(),
-                    rows.numel() // max(k, 1), int(rows.dtype == torch.bfloat16),
-                    torch.get_num_threads()) != 0:
+        args = (w.data_ptr(), bits, n, k, group, None if bias is None else bias.data_ptr(),
+                rows.data_ptr(), y.data_ptr(), rows.numel() // max(k, 1),
+                int(rows.dtype == torch.bfloat16), torch.get_num_threads())
+        if (self._linear_top(*args, *(t.data_ptr() for t in top)) if top
+                else self._linear(*args)) != 0:
             raise MemoryError("the int8/int4 kernel could not allocate its scratch memory")
         return y if y.dtype == dtype else y.to(dtype)  # (a conversion to itself costs ~4 us)
 

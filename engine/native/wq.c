@@ -24,6 +24,8 @@ group of G inputs), tiles outer:
   then 16 fp16 scales s and 16 fp16 offsets m: w = q s + m.
 */
 #include <immintrin.h>
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -96,21 +98,64 @@ static inline __attribute__((always_inline)) void fold_group(
     }
 }
 
-/* Rows r0 .. r0 + mr - 1 of the tile of outputs from n0: facc + bias, into y. */
+/* One row's running argmax and log-sum-exp over the outputs one thread stores, in the
+   order it stores them (`wq_linear_top`): per lane the largest value and the first index of
+   it, and the sum of e^(v - ref), ref the largest value so far (the sums are rescaled when
+   it grows, which after a row's first tiles is rare). */
+typedef struct {
+    __m512 best, sum;
+    __m512i at;
+    float ref;
+    int64_t nan;  /* the first NaN's index, or -1 */
+} __attribute__((aligned(64))) Top;
+
+static void top_start(Top *t) {
+    t->best = _mm512_set1_ps(-INFINITY);
+    t->sum = _mm512_setzero_ps();
+    t->at = _mm512_set1_epi32(0x7fffffff);
+    t->ref = -INFINITY;
+    t->nan = -1;
+}
+
+/* The lanes in m of v, outputs n0 .. n0 + 15 as stored, into t. */
+static inline void top_add(Top *t, __m512 v, __mmask16 m, int64_t n0) {
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    if (nan && t->nan < 0) t->nan = n0 + __builtin_ctz(nan);
+    const __mmask16 more = _mm512_mask_cmp_ps_mask(m, v, t->best, _CMP_GT_OQ);
+    t->best = _mm512_mask_mov_ps(t->best, more, v);
+    t->at = _mm512_mask_mov_epi32(t->at, more, _mm512_add_epi32(
+        _mm512_set1_epi32((int)n0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                       12, 13, 14, 15)));
+    const __mmask16 ok = m & ~nan;
+    if (_mm512_mask_cmp_ps_mask(ok, v, _mm512_set1_ps(t->ref), _CMP_GT_OQ)) {
+        const float top = _mm512_mask_reduce_max_ps(ok, v);
+        t->sum = _mm512_mul_ps(t->sum, exp_nonpositive(_mm512_set1_ps(t->ref - top)));
+        t->ref = top;
+    }
+    if (t->ref != -INFINITY)
+        t->sum = _mm512_add_ps(t->sum, _mm512_maskz_mov_ps(
+            ok, exp_nonpositive(_mm512_sub_ps(v, _mm512_set1_ps(t->ref)))));
+}
+
+/* Rows r0 .. r0 + mr - 1 of the tile of outputs from n0: facc + bias, into y (and, with
+   top, each row's value as stored into its running argmax and log-sum-exp). */
 static inline __attribute__((always_inline)) void store_tile(
         void *y, const __m512 *facc, const int mr, int64_t r0, int64_t N, int64_t n0,
-        const float *bias, int bf16) {
+        const float *bias, int bf16, Top *top) {
     const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < mr; r++)
-        store16(y, (r0 + r) * N + n0, _mm512_add_ps(facc[r], b), mask, bf16);
+    for (int r = 0; r < mr; r++) {
+        const __m512 v = _mm512_add_ps(facc[r], b);
+        store16(y, (r0 + r) * N + n0, v, mask, bf16);
+        if (top) top_add(top + r0 + r, bf16 ? round_bf16(v) : v, mask, n0);
+    }
 }
 
 /* One tile of 16 outputs for `mr` rows (a constant in each inlined copy). */
 static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
-        int64_t N, int64_t t) {
+        int64_t N, int64_t t, Top *top) {
     const int64_t ng = K / G, block = G * TILE * bits / 8 + 4 * TILE;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 facc[MAX_ROWS];
@@ -149,7 +194,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int r = 0; r < mr; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);
         fold_group(facc, acc, mr, p + G * TILE * bits / 8, sa, ssum, r0 * ng + g, ng);
     }
-    store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16);
+    store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16, top);
 }
 
 /* Two tiles of int4 weights (32 outputs) for `mr` rows (up to 4): each row's activation
@@ -170,7 +215,7 @@ static inline __attribute__((always_inline)) void tile_rows(
 static inline __attribute__((always_inline)) void pair_rows(
         const uint8_t *w, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
-        int64_t N, int64_t t) {
+        int64_t N, int64_t t, Top *top) {
     const int64_t ng = K / G, block = G * TILE / 2 + 4 * TILE;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 facc[2][PAIR_ROWS];
@@ -203,18 +248,19 @@ static inline __attribute__((always_inline)) void pair_rows(
         for (int u = 0; u < 2; u++)
             fold_group(facc[u], acc[u], mr, p[u] + G * TILE / 2, sa, ssum, r0 * ng + g, ng);
     }
-    for (int u = 0; u < 2; u++) store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16);
+    for (int u = 0; u < 2; u++)
+        store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16, top);
 }
 
 /* Tile t (int4: tiles t and t + 1 where `pair`) for all M rows. */
 static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa,
                  const float *sa, const float *ssum, int64_t M, const float *bias, void *y,
-                 int bf16, int64_t N, int64_t t, int pair) {
+                 int bf16, int64_t N, int64_t t, int pair, Top *top) {
     if (pair) {
         for (int64_t r0 = 0; r0 < M; r0 += PAIR_ROWS) {
             const int64_t left = M - r0;
             switch (left >= PAIR_ROWS ? PAIR_ROWS : left) {
-#define ROWS(n) case n: pair_rows(w, K, G, qa, sa, ssum, r0, n, bias, y, bf16, N, t); break;
+#define ROWS(n) case n: pair_rows(w, K, G, qa, sa, ssum, r0, n, bias, y, bf16, N, t, top); break;
                 ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
             }
@@ -224,24 +270,68 @@ static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t 
     for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
         const int64_t left = M - r0;
         switch (left >= MAX_ROWS ? MAX_ROWS : left) {
-#define ROWS(n) case n: tile_rows(w, bits, K, G, qa, sa, ssum, r0, n, bias, y, bf16, N, t); break;
+#define ROWS(n) case n: \
+    tile_rows(w, bits, K, G, qa, sa, ssum, r0, n, bias, y, bf16, N, t, top); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
         }
     }
 }
 
-/* y [M, N] = x [M, K] W^T + bias; x and y fp32, or bf16 when bf16 != 0; bias fp32 or NULL.
-   Returns 0, or -1 when scratch memory could not be had. */
-int wq_linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G, const float *bias,
-              const void *x, void *y, int64_t M, int bf16, int threads) {
+/* Each row's argmax and log-sum-exp from the threads' running ones, in the threads' order
+   (which is the outputs' order: a static schedule gives thread i the i-th run of tiles): the
+   first index of the largest value (a NaN counting as the largest, its first one, as torch's
+   argmax; every value -inf: index 0), log sum exp (NaN with a NaN). */
+static void top_finish(const Top *tops, int threads, int64_t M, int64_t *index, float *lse,
+                       float *value) {
+    for (int64_t r = 0; r < M; r++) {
+        float best = -INFINITY, ref = -INFINITY;
+        int64_t at = 0, nan = -1;
+        for (int i = 0; i < threads; i++) {
+            const Top *t = tops + (int64_t)i * M + r;
+            if (t->nan >= 0 && nan < 0) nan = t->nan;
+            const float v = _mm512_reduce_max_ps(t->best);
+            if (v > best) {
+                best = v;
+                at = _mm512_mask_reduce_min_epi32(
+                    _mm512_cmp_ps_mask(t->best, _mm512_set1_ps(v), _CMP_EQ_OQ), t->at);
+            }
+            if (t->ref > ref) ref = t->ref;
+        }
+        if (nan >= 0) {
+            index[r] = nan;
+            lse[r] = NAN;
+            if (value) value[r] = NAN;
+            continue;
+        }
+        index[r] = at;
+        if (value) value[r] = best;
+        if (ref == -INFINITY) {
+            lse[r] = -INFINITY;
+            continue;
+        }
+        float total = 0.0f;
+        for (int i = 0; i < threads; i++) {
+            const Top *t = tops + (int64_t)i * M + r;
+            if (t->ref != -INFINITY) total += _mm512_reduce_add_ps(t->sum) * expf(t->ref - ref);
+        }
+        lse[r] = ref + logf(total);
+    }
+}
+
+static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
+                  const float *bias, const void *x, void *y, int64_t M, int bf16, int threads,
+                  int64_t *index, float *lse, float *value) {
     int8_t *qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     float *sa = malloc(sizeof(float) * (size_t)(M * (K / G)) * 2);
-    if (!qa || !sa) {
+    Top *tops = index ? aligned_alloc(64, sizeof(Top) * (size_t)(threads * M)) : NULL;
+    if (!qa || !sa || (index && !tops)) {
         free(qa);
         free(sa);
+        free(tops);
         return -1;
     }
+    for (int64_t i = 0; tops && i < threads * M; i++) top_start(tops + i);
     float *ssum = sa + M * (K / G);
     for (int64_t r = 0; r < M; r++) quantize_row(x, bf16, r, K, G, qa, sa, ssum);
     const int64_t tiles = (N + TILE - 1) / TILE;
@@ -249,10 +339,37 @@ int wq_linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G, const
        alone); of MAX_ROWS rows or more (a prefill), single tiles MAX_ROWS rows at a time,
        which the Xeon ran 2-10% faster (512 rows of Qwen2-1.5B's shapes, one thread) */
     const int64_t step = bits == 4 && M < MAX_ROWS ? 2 : 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t += step)
-        tile(w, bits, K, G, qa, sa, ssum, M, bias, y, bf16, N, t, step == 2 && t + 1 < tiles);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        Top *top = tops ? tops + (int64_t)omp_get_thread_num() * M : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t += step)
+            tile(w, bits, K, G, qa, sa, ssum, M, bias, y, bf16, N, t,
+                 step == 2 && t + 1 < tiles, top);
+    }
+    if (tops) top_finish(tops, threads, M, index, lse, value);
     free(qa);
     free(sa);
+    free(tops);
     return 0;
+}
+
+/* y [M, N] = x [M, K] W^T + bias; x and y fp32, or bf16 when bf16 != 0; bias fp32 or NULL.
+   Returns 0, or -1 when scratch memory could not be had. */
+int wq_linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G, const float *bias,
+              const void *x, void *y, int64_t M, int bf16, int threads) {
+    return linear(w, bits, N, K, G, bias, x, y, M, bf16, threads, NULL, NULL, NULL);
+}
+
+/* `wq_linear`, and per row of y (as stored: bf16 when bf16 != 0) the index of its first
+   maximum and its log-sum-exp into index [M] and lse [M] (rows.c `argmax_lse`'s answers;
+   with value, not NULL, the maximum itself [M]),
+   summed while the outputs are in registers: a head's logits (Qwen3.5-2B's 248k a row) are
+   not read again from memory, where the weights streaming past have pushed them. The
+   log-sum-exp's last bits depend on the number of threads (each sums its own outputs), never
+   on the rows beside a row. */
+int wq_linear_top(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
+                  const float *bias, const void *x, void *y, int64_t M, int bf16, int threads,
+                  int64_t *index, float *lse, float *value) {
+    return linear(w, bits, N, K, G, bias, x, y, M, bf16, threads, index, lse, value);
 }
