@@ -147,12 +147,18 @@ def test_codes_come_back_from_the_cache_and_a_changed_checkpoint_gets_new_ones(
     x = torch.randn(2, first.model.cfg.hidden_size)
     assert torch.equal(second.model.head(x), want(x))
     assert not torch.equal(second.model.head(x), first.model.head(x))
-    # A checkpoint whose files changed is another checkpoint: its codes are computed anew.
+    # A checkpoint whose files changed is another checkpoint: its codes are computed anew,
+    # and the file of the directory's old checkpoint goes; another checkpoint's stays.
+    other_dir = tmp_path / "other"
+    write_checkpoint(other_dir, "tiny-qwen3", seed=5)
+    Engine.load(other_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
+    other = QuantCache(cache_root, other_dir).path("int4", laid_out)
     weights = model_dir / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     third = Engine.load(model_dir, quant="int4", quant_cache=cache_root, max_seq_len=128)
     assert torch.equal(third.model.head(x), first.model.head(x))
-    assert len(list(cache_root.glob("*-int4-*.safetensors"))) == 2
+    now = QuantCache(cache_root, model_dir).path("int4", laid_out)
+    assert now != path and sorted(cache_root.iterdir()) == sorted([now, other])
 
 
 @needs_vnni

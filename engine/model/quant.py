@@ -245,6 +245,7 @@ class QuantCache:
         identity = checkpoint_identity(model_dir)
         self.key = hashlib.sha256(identity.encode()).hexdigest()[:24]
         self.root = root
+        self.source = str(Path(model_dir).resolve())  # written into each file: see `write`
 
     def path(self, key: str, laid_out: bool = False) -> Path:
         """`key`: the mode, or "<mode>-drafts-<mode>"; `laid_out`: in our kernels' layout."""
@@ -305,12 +306,15 @@ class QuantCache:
                 "modes": {n: e.mode for n, e in entries.items()},
                 "rows": {n: e.rows for n, e in entries.items()}}
         metadata = {k: json.dumps(v) for k, v in meta.items()}
-        metadata.update(layout=str(native.LAYOUT), draft_ids=draft_ids)
+        metadata.update(layout=str(native.LAYOUT), draft_ids=draft_ids, source=self.source)
         path = self.path(key, laid_out)
         write_replacing(path, lambda tmp: save_aligned(tensors, tmp, metadata))
         for stale in self.root.glob(f"{self.key}-{key}-g{GROUP}-wq*.safetensors"):
             if stale != path:  # a layout of another version: what it held is in this one
                 stale.unlink(missing_ok=True)
+        for other in self.root.glob("*.safetensors"):  # this directory's checkpoint before
+            if not other.name.startswith(self.key) and _source(other) == self.source:
+                other.unlink(missing_ok=True)  # it changed (a daemon mapping it keeps it)
 
 
 ALIGN = 64  # bytes: a cache line, and what the kernels' tiles start on in memory
@@ -343,6 +347,19 @@ def save_aligned(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str
             t = tensors[name].contiguous()
             if size(t):
                 f.write(memoryview((ctypes.c_char * size(t)).from_address(t.data_ptr())))
+
+
+def _source(path: Path) -> str | None:
+    """The checkpoint directory a cache file was written for (its header's metadata), or
+    None: unreadable, or written before files said."""
+    try:
+        with path.open("rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            meta = json.loads(f.read(min(size, 1 << 24))).get("__metadata__") or {}
+    except (OSError, ValueError, struct.error, AttributeError):
+        return None
+    source = meta.get("source")
+    return source if isinstance(source, str) else None
 
 
 def _modes_of(key: str, groups: dict[str, int]) -> dict[str, str]:
