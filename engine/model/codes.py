@@ -96,7 +96,8 @@ class Packed:
         """y = self(x) and per row of it [...] its argmax, maximum and log-sum-exp (fp32),
         summed while our kernel stores y (wq.c `wq_linear_top`: a head's logits are not read
         again); None where our kernel does not run this eagerly in inference."""
-        if not self.native or torch.compiler.is_compiling() or torch.is_grad_enabled():
+        if not self.native or torch.compiler.is_compiling() or torch.is_grad_enabled() \
+                or x.dtype not in (torch.float32, torch.bfloat16):  # (y as the kernel stores it)
             return None
         shape = x.shape[:-1]
         index = torch.empty(shape, dtype=torch.int64)

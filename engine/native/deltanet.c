@@ -24,7 +24,7 @@ and inputs only, whatever else shares the call or the thread, and whatever S is.
 #define INLINE static inline __attribute__((always_inline))
 
 /* acc = S^T k over nb blocks of 16 columns of the state at s (rows ps apart); the decay
-   multiplies the sums (`decayed`), not each element. */
+   multiplies the sums after (`chunk`), not each element. */
 INLINE void dot(const float *s, int64_t ps, const float *k, int64_t Dk, __m512 *acc,
                 const int nb) {
     for (int j = 0; j < nb; j++) acc[j] = _mm512_setzero_ps();
