@@ -28,7 +28,6 @@ from engine.decode.quality import token_logprobs
 from engine.decode.sampling import RowSampling
 from engine.decode.state import DecodeState
 from engine.model.transformer import Transformer
-from engine.native import rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +96,11 @@ def verify_window(model: Transformer, caches: Caches, state: DecodeState, slots:
     h = model.trunk(tokens, rope, batch, caches.trunk)  # [B, W, H]
     caches.hidden[slots[:, None], pos] = h
     q = _draft_probs(state, slots, tokens, width) if shape.sampled else None
-    fused = None if shape.sampled else model.head_top(h)  # argmax, log-sum-exp as stored
-    logits = model.head(h) if fused is None else fused[0]  # [B, W, V]: argmax, log-probs, p
+    # [B, W, V]: once for the argmax, log-probs and p; argmax and log-sum-exp in one pass
+    logits, best = (model.head(h), None) if shape.sampled else model.head_top(h)
     lse = None
-    if fused is not None or (not shape.sampled and rows.takes_logits(logits)):
-        target, lse = (fused[1], fused[3]) if fused is not None else rows.argmax_lse(logits)
+    if best is not None:
+        target, _, lse = best
         out, n = accept_target(tokens[:, 1:], target, state.num_drafts[slots])
     else:
         logits = logits.float()

@@ -350,15 +350,13 @@ def save_aligned(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str
 
 
 def _source(path: Path) -> str | None:
-    """The checkpoint directory a cache file was written for (its header's metadata), or
-    None: unreadable, or written before files said."""
+    """The checkpoint directory a cache file was written for (its metadata), or None:
+    unreadable, or written before files said."""
     try:
-        with path.open("rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            meta = json.loads(f.read(min(size, 1 << 24))).get("__metadata__") or {}
-    except (OSError, ValueError, struct.error, AttributeError):
+        with safe_open(str(path), framework="pt") as f:
+            source = (f.metadata() or {}).get("source")
+    except (OSError, ValueError, TypeError):
         return None
-    source = meta.get("source")
     return source if isinstance(source, str) else None
 
 

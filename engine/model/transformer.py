@@ -26,7 +26,7 @@ from engine.model.block import DecoderBlock, run_block
 from engine.model.codes import Packed
 from engine.model.config import ModelConfig
 from engine.model.gemma4 import Gemma4Attention, Gemma4Block, Gemma4Model
-from engine.model.layers import norm, rope_tables, same_path
+from engine.model.layers import Dense, norm, rope_tables, same_path
 from engine.model.mtp import MTPModule, Rope
 from engine.native import rows
 
@@ -90,12 +90,19 @@ class Transformer(nn.Module):
         cap = self.cfg.final_logit_softcapping
         return same_path(torch.tanh, logits / cap) * cap if cap else logits
 
-    def head_top(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """`head(h)` with each row's argmax, maximum and log-sum-exp, summed as our kernel
-        stores the logits (`Packed.top`), where it runs the head; None elsewhere."""
-        if self.cfg.final_logit_softcapping or not isinstance(self.head_weight, Packed):
-            return None
-        return self.head_weight.top(h)
+    def head_top(self, h: Tensor, weight: Dense | Packed | None = None
+                 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+        """The head's logits of h (`weight`'s, where given: the draft head's rows) and, where
+        our kernels take them, each row's argmax, maximum and log-sum-exp: summed as our
+        product stores the logits (`Packed.top`), else by rows.c over them; None elsewhere."""
+        linear = self.head_weight if weight is None else weight
+        if isinstance(linear, Packed) and (weight is not None
+                                           or not self.cfg.final_logit_softcapping):
+            fused = linear.top(h)
+            if fused is not None:
+                return fused[0], fused[1:]
+        logits = self.head(h) if weight is None else weight(h)
+        return logits, rows.argmax_max_lse(logits) if rows.takes_logits(logits) else None
 
     def head_matrix(self) -> Tensor:
         """The head's full-precision weight [V, H]: the tied embedding, or lm_head's."""
@@ -152,16 +159,9 @@ class Transformer(nn.Module):
             return None
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         x = module.norm(out)
-        if self.draft_head is None:
-            fused = self.head_top(x)
-        else:
-            weight = self.draft_head.rows
-            fused = weight.top(x) if isinstance(weight, Packed) else None
-        if fused is not None:  # the argmax summed as the kernel stored the logits
-            _, index, top, lse = fused
-        else:
-            logits = self.head(x) if self.draft_head is None else self.draft_head.rows(x)
-            index, top, lse = rows.argmax_max_lse(logits)
+        _, best = self.head_top(x, None if self.draft_head is None else self.draft_head.rows)
+        assert best is not None  # the logits take out's dtype and device, which rows.c takes
+        index, top, lse = best
         tok = index if self.draft_head is None else self.draft_head.ids[index]
         return tok, torch.exp(top - lse) if prob else None
 
