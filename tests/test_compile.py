@@ -110,7 +110,9 @@ def test_compiled_blocks_in_a_hybrid_model(tmp_path: Path) -> None:
         prompt = torch.randint(300, 396, (n,), generator=gen).tolist()
         runs = [e.generate(prompt, GenParams(16, k=k, speculative=k != 0)) for e in engines]
         assert runs[0].tokens == runs[1].tokens
-        assert runs[0].stats.accepted or k == 0
+        # the compiled blocks ran a verify's rows; how many drafts a 20-step model gets
+        # accepted depends on the CPU it was trained on (CI's took none at adaptive K)
+        assert runs[0].stats.drafted or k == 0
 
 
 @pytest.mark.slow
