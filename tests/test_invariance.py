@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from daemon.backends.local import LocalBackend
 from engine import Engine, ExactnessUnavailable, Generation, GenParams
-from engine.exec.invariance import BY_POSITION, BY_SIZE, Invariance, probe
+from engine.exec.invariance import BY_POSITION, BY_SIZE, Invariance, probe, probe_depth
 from engine.model.transformer import Transformer
 from engine.model.weights import load_model
 from engine.tokenizer import Tokenizer
@@ -318,3 +318,11 @@ def test_attention_summed_by_key_blocks_keeps_each_rows_bits_its_own(dtype: torc
     # keys not in whole blocks: one product
     assert torch.equal(weighted_values(probs[..., :-1], v[:, :, :-1], blocks=True),
                        probs[..., :-1] @ v[:, :, :-1])
+
+
+def test_the_probe_runs_the_first_layer_of_each_kind() -> None:
+    """The probe's trunk stops after the first layer of the last kind to appear."""
+    hybrid = ["linear_attention"] * 3 + ["full_attention"]
+    assert probe_depth(hybrid * 6) == 4
+    assert probe_depth(["full_attention"] * 28) == 1
+    assert probe_depth(["sliding_attention"] * 5 + ["full_attention"] + ["x"] * 2) == 7

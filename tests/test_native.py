@@ -13,6 +13,7 @@ import torch
 
 from engine import native
 from engine.model.codes import Packed, encode
+from engine.native import encode as to_layout
 from engine.native import rows as row_ops
 
 needs_vnni = pytest.mark.skipif(native.status() != "vnni",
@@ -47,6 +48,27 @@ def test_the_kernel_computes_what_its_reference_says(mode: str, shape: tuple[int
                               x.bfloat16(), bias)
     assert got16.dtype == torch.bfloat16
     assert torch.allclose(got16.double(), want16, rtol=1e-2, atol=1e-2)
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 64), (16, 96), (300, 2048), (5, 256)])
+def test_the_layout_made_from_a_weights_values_is_packs_of_its_codes(
+        mode: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """encode.c's layout, bit for bit the one `pack` makes of `encode`'s codes: rows of
+    every scale, a constant group (no spread: the smallest scale), one of zeros, a huge
+    value, and outputs that leave the last tile part empty."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(*shape, generator=gen) * torch.rand(shape[0], 1, generator=gen) * 3
+    w[0, :32], w[1, :32], w[2, 5] = 0.5, 0.0, 1e4
+    w = w.to(dtype)
+    codes, scales, _ = encode(w, mode)
+    group = native.group_for(shape[1])
+    assert group is not None
+    layout, got_group = to_layout.laid_out(w, mode)
+    assert got_group == group
+    assert torch.equal(layout, native.pack(mode, codes, scales, group))
 
 
 @needs_vnni

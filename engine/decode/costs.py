@@ -1,13 +1,14 @@
 """Step costs measured on the device at load: seconds per step for each K.
 
 A step of K means what the K policy prices: verify K drafts (K + 1 tokens) and draft K for
-the next step; a verify step of K, what the context's drafts cost: verify K drafts the
-step did not make (decode/sources.py), and make none. Each K is timed on steps that follow
-one of the same K, at a context as long as an editor's prompt (attention over it is a good
-part of a step's cost). The Ks take turns, round after round, so that a disturbance of the
-machine (another process, a frequency change) spreads over all of them instead of bending
-one; each K's cost is the median of its rounds, made monotone (more drafts never cost
-less).
+the next step; a verify step of K, what the context's drafts cost: verify K drafts the step
+did not make (decode/sources.py), and make none. Each K is timed on steps that follow one of
+the same K, at a context as long as a short editor's prompt, 512 tokens (attention over it
+is a good part of a small model's step; a 2B model's load spent 7.5 of its 12 s of measuring
+in prefilling 1024; the policy corrects the curves from the steps that run). The Ks take
+turns, round after round, so that a disturbance of the machine (another process, a frequency
+change) spreads over all of them instead of bending one; each K's cost is the median of its
+rounds, made monotone (more drafts never cost less).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def row_buckets(max_slots: int) -> list[int]:
 
 
 def measure_costs(engine: Stepper, vocab_size: int, rows: Sequence[int] = (1,),
-                  reps: int = 7, context: int = 1024, *, warmup: bool = True,
+                  reps: int = 7, context: int = 512, *, warmup: bool = True,
                   budget_s: float = BUDGET_S) -> tuple[Curves, Curves]:
     """The cost curves of steps, and of verify steps, of each number of rows: every K of a
     step for one row (a model with MTP modules); for verify steps and more rows, K = 0, 1,

@@ -34,7 +34,7 @@ from engine.paths import checkpoint_identity, write_replacing
 
 log = logging.getLogger("ahead.engine")
 
-VERSION = 2  # of what is measured and how: a change makes every entry stale
+VERSION = 3  # of what is measured and how: a change makes every entry stale
 
 
 def device_identity(device: torch.device) -> str:

@@ -28,6 +28,7 @@ from engine import native
 from engine.model.codes import Packed, QuantError, QuantLinear, encode
 from engine.model.layers import Dense
 from engine.model.transformer import Transformer
+from engine.native import encode as to_layout
 from engine.paths import checkpoint_identity, write_replacing
 
 MODES = ("auto", "none", "int8", "int4", "int8dyn")
@@ -106,8 +107,14 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
         bias = _bias_of(owner, attr)
         entry = stored.get(name)
         if entry is None or entry.mode != own:
-            c, s, g = encode(_weight_of(model, owner, attr), own)
-            entry, computed = Entry(own, g, c.shape[0], (c, s)), True
+            weight = _weight_of(model, owner, attr)
+            if laid_out and to_layout.takes(weight, own):  # straight to our kernels' layout
+                layout, g = to_layout.laid_out(weight, own)
+                entry = Entry(own, g, weight.shape[0], (layout,))
+            else:
+                c, s, g = encode(weight, own)
+                entry = Entry(own, g, c.shape[0], (c, s))
+            computed = True
         packed = entry.packed(bias, device)
         entries[name] = entry if not packed.native or len(entry.tensors) == 1 else \
             Entry(own, packed.native_group, packed.out_features, (packed.packed,))

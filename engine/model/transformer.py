@@ -125,12 +125,16 @@ class Transformer(nn.Module):
                 module.exact = exact
 
     def trunk(self, tokens: Tensor, rope: Rope, batch: CacheBatch | None = None,
-              caches: Sequence[KVCache | StateCache] | None = None) -> Tensor:
-        """Final-normed hidden states [B, S, H]; logits are `head()` of them."""
+              caches: Sequence[KVCache | StateCache] | None = None,
+              depth: int | None = None) -> Tensor:
+        """Final-normed hidden states [B, S, H]; logits are `head()` of them. `depth`: the
+        first layers alone (the invariance probe's; Gemma 4 runs all of its layers, whose
+        per-layer inputs and shared keys tie them together)."""
         if isinstance(self.model, Gemma4Model):
             return self.model(tokens, rope, batch, caches)
         x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers if depth is None else self.model.layers[:depth]
+        for i, layer in enumerate(layers):
             run = self.linear_runner if layer.linear else self.block_runner
             x = run(layer, x, rope, batch, None if caches is None else caches[i])
         return self.model.norm(x)

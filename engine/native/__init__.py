@@ -1,8 +1,8 @@
 """Our own CPU kernels for AVX-512 VNNI CPUs: products by int4 and int8 weights (wq.c, in the
-layout layout.py makes), the attention of a cached forward and its cache writes
-(attention.c), Gated DeltaNet's delta rule a position at a time (deltanet.c) and the rest of
-its step (gdn.c), and the small row-wise operators of a bf16 step: norms, the SwiGLU gate,
-rotary embeddings, the logits' argmax (rows.c, rows.py).
+layout layout.py makes; encode.c makes it from a weight's values), the attention of a cached
+forward and its cache writes (attention.c), Gated DeltaNet's delta rule a position at a time
+(deltanet.c) and the rest of its step (gdn.c), and the small row-wise operators of a bf16
+step: norms, the SwiGLU gate, rotary embeddings, the logits' argmax (rows.c, rows.py).
 
 The source ships with the package and is compiled on first use by the system's C compiler
 (`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the source, the
@@ -38,7 +38,8 @@ from engine.native.layout import reference as reference
 from engine.paths import cache_dir, write_replacing
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("wq.c", "attention.c", "deltanet.c", "gdn.c", "rows.c"))
+                for name in ("wq.c", "encode.c", "attention.c", "deltanet.c", "gdn.c",
+                             "rows.c"))
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC", "-lm")
