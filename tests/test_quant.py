@@ -291,6 +291,7 @@ def test_auto_quantizes_a_large_model_where_the_kernels_run_and_leaves_a_small_o
     large = Engine.load(hybrid_dir, quant="auto")
     if native.available():
         assert large.model.quant == "int8"
-        assert describe(large.model) == "int8 (vnni kernels; drafts int4) (auto)"
+        amx = "+amx" if native.kernels().amx else ""  # (the CPU's AMX tiles: wq.c)
+        assert describe(large.model) == f"int8 (vnni{amx} kernels; drafts int4) (auto)"
     else:  # torch's one-row kernels do not pay for themselves: auto keeps the weights
         assert large.model.quant == "none"

@@ -7,7 +7,8 @@ quarter of fp32, int4 an eighth (plus its scales). Who multiplies:
 
 - on CPUs with AVX-512 VNNI, our kernels (engine/native): int8 activations per group of
   inputs (as llama.cpp's Q8_0), integer dot products, weights streamed once per call for all
-  its rows (a verify of 4 rows costs about 1.2 rows), a row's bits its own;
+  its rows (a verify of 4 rows costs about 1.2 rows), a row's bits its own; on CPUs with
+  AMX-INT8, calls of many rows (prefills, int8 verifies) on its tiles, the same bits;
 - elsewhere torch's: `aten._weight_int8pack_mm` (CPU, bf16 activations, one row at a time),
   `aten._weight_int4pack_mm_for_cpu` (CPU) or `aten._weight_int4pack_mm` (tinygemm, CUDA),
   groups of 128 inputs (64 or 32 where a layer is narrower);

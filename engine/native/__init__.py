@@ -9,8 +9,8 @@ The source ships with the package and is compiled on first use by the system's C
 flags and the compiler), then loaded with ctypes: no build step at install, under a second
 to compile, and a machine without a compiler or without VNNI runs torch's kernels instead
 (`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the CPU also has
-AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`).
-
+AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`); where
+it has AMX-INT8, products of two rows or more run on its tiles (`amx`; `AHEAD_AMX=0`: not).
 Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
 soname), as many threads as `torch.get_num_threads()`.
 """
@@ -37,9 +37,8 @@ from engine.native.layout import pack as pack
 from engine.native.layout import reference as reference
 from engine.paths import cache_dir, write_replacing
 
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("wq.c", "encode.c", "attention.c", "deltanet.c", "gdn.c",
-                             "rows.c"))
+SOURCES = tuple(Path(__file__).with_name(f"{name}.c")
+                for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows"))
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC", "-lm")
@@ -73,7 +72,10 @@ class Kernels:
         kv.argtypes = [ptr, ptr, *[i64] * 10, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 3]
         self._kv_write = kv
         # attention's scores of bf16 queries and keys by bf16 dot products (attention.c)
-        self.bf16_dot = "avx512_bf16" in (_cpu_flags() or set())
+        flags = _cpu_flags() or frozenset()
+        self.bf16_dot = "avx512_bf16" in flags
+        self.amx = "amx_int8" in flags and os.environ.get("AHEAD_AMX", "1") != "0" \
+            and lib.wq_amx_enable() == 1  # Linux grants the tile state
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int, ptr]
@@ -201,9 +203,7 @@ def _cpu_flags() -> frozenset[str] | None:
 
 def _missing_cpu_flags() -> list[str]:
     have = _cpu_flags()
-    if have is None:
-        return ["/proc/cpuinfo"]
-    return [f for f in CPU_FLAGS if f not in have]
+    return ["/proc/cpuinfo"] if have is None else [f for f in CPU_FLAGS if f not in have]
 
 
 def _build() -> Path:

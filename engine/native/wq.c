@@ -252,10 +252,124 @@ static inline __attribute__((always_inline)) void pair_rows(
         store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16, top);
 }
 
+/* AMX (CPUs with AMX-INT8, where Linux grants the tile state: `wq_amx_enable`): a tile of
+   16 outputs for up to 16 rows by TDPBSUD, which sums 16 x 16 x 64 products an instruction
+   where VPDPBUSD sums 16 x 4. The layout's 64-byte vectors are already rows of the B tile:
+   int8's as they are (16 make the tile of 64 inputs), int4's once their low and high nibbles
+   are split into two (inputs 8j + b, then 8j + 4 + b). The int32 sums are exact in any order
+   and the group's fold is `fold_group`'s, so a row's bits are those of the VNNI path,
+   whichever path a call's number of rows takes. Prefills and int8 verifies gain; a verify of
+   a few int4 rows stays on VPDPBUSD (AMX_MIN_ROWS). */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define WQ_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#define AMX_ROWS 16
+/* The fewest rows a call runs by AMX (fewer: VPDPBUSD). Measured on a 2-core Xeon with AMX,
+   one thread, 40 weights of 6144 x 2048, ms for them all, VNNI / AMX (medians of 5, two
+   runs by turns): int4, 4 rows 20.2 / 21.9, 8 rows 24.5 / 22.8, 64 rows 135 / 93 (splitting
+   the nibbles costs more than a few rows' VPDPBUSD, which pair_rows keeps busy); int8, 2 rows
+   36.8 / 38.9, 3 rows 41.1 / 39.1, 4 rows 43.2 / 39.4, 64 rows 151 / 107. */
+#define AMX_MIN_ROWS(bits) ((bits) == 4 ? 8 : 3)
+
+static int amx_on = 0;
+static __thread int amx_set = 0;  /* rows << 8 | inputs a B tile: this thread's config */
+
+/* Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 1 when
+   granted (the caller checked the CPU's amx_int8 flag), and `linear` uses AMX from then. */
+int wq_amx_enable(void) {
+#ifdef WQ_AMX
+    amx_on = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#endif
+    return amx_on;
+}
+
+#ifdef WQ_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+/* Tiles 0 (C: mr rows of 16 int32), 1 (A: mr rows of kc activation codes), 2 (B: kc / 4
+   rows of 16 outputs x 4 weight codes); kc: 64 inputs, or a group of 32. */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_configure(int mr, int kc) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    cfg.colsb[0] = cfg.colsb[2] = 64;
+    cfg.colsb[1] = (uint16_t)kc;
+    cfg.rows[0] = cfg.rows[1] = (uint8_t)mr;
+    cfg.rows[2] = (uint8_t)(kc / 4);
+    _tile_loadconfig(&cfg);
+    amx_set = mr << 8 | kc;
+}
+
+__attribute__((target("amx-tile,amx-int8"))) static void amx_release(void) {
+    if (amx_set) _tile_release();
+    amx_set = 0;
+}
+
+/* `tile_rows` by AMX, mr <= AMX_ROWS rows. */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_tile_rows(
+        const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
+        const float *ssum, int64_t r0, int mr, const float *bias, void *y, int bf16,
+        int64_t N, int64_t t, Top *top) {
+    const int kc = G < 64 ? (int)G : 64;
+    if (amx_set != (mr << 8 | kc)) amx_configure(mr, kc);
+    const int64_t ng = K / G, body = G * TILE * bits / 8, block = body + 4 * TILE;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    uint8_t split[1024] __attribute__((aligned(64)));
+    int32_t sums[AMX_ROWS * TILE] __attribute__((aligned(64)));
+    __m512 facc[AMX_ROWS];
+    __m512i acc[AMX_ROWS];
+    for (int r = 0; r < mr; r++) facc[r] = _mm512_setzero_ps();
+    const uint8_t *p = w + t * ng * block;
+    for (int64_t g = 0; g < ng; g++, p += block) {
+        const int8_t *a0 = qa + r0 * K + g * G;
+        _tile_zero(0);
+        for (int64_t c = 0; c < G / kc; c++) {  /* kc inputs a B tile */
+            if (bits == 4) {
+                for (int j = 0; j < kc / 8; j++) {
+                    const uint8_t *v8 = p + 64 * (kc / 8 * c + j);
+                    _mm_prefetch((const char *)v8 + PREFETCH_L1, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v8 + PREFETCH_L2, _MM_HINT_T1);
+                    const __m512i v = _mm512_loadu_si512(v8);
+                    _mm512_store_si512(split + 128 * j, _mm512_and_si512(v, low));
+                    _mm512_store_si512(split + 128 * j + 64,
+                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+                _tile_loadd(2, split, 64);
+            } else {
+                for (int j = 0; j < kc / 4; j++)
+                    _mm_prefetch((const char *)p + 16 * kc * c + 64 * j + PREFETCH_L1,
+                                 _MM_HINT_T0);
+                _tile_loadd(2, p + 16 * kc * c, 64);
+            }
+            _tile_loadd(1, a0 + kc * c, K);
+            _tile_dpbsud(0, 1, 2);  /* signed activations times unsigned weight codes */
+        }
+        _tile_stored(0, sums, 64);
+        for (int r = 0; r < mr; r++) acc[r] = _mm512_load_si512(sums + TILE * r);
+        fold_group(facc, acc, mr, p + body, sa, ssum, r0 * ng + g, ng);
+    }
+    store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16, top);
+}
+#endif
+
 /* Tile t (int4: tiles t and t + 1 where `pair`) for all M rows. */
 static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa,
                  const float *sa, const float *ssum, int64_t M, const float *bias, void *y,
                  int bf16, int64_t N, int64_t t, int pair, Top *top) {
+#ifdef WQ_AMX
+    if (amx_on && M >= AMX_MIN_ROWS(bits)) {
+        for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS)
+            amx_tile_rows(w, bits, K, G, qa, sa, ssum, r0,
+                          (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS), bias, y, bf16, N, t,
+                          top);
+        return;
+    }
+#endif
     if (pair) {
         for (int64_t r0 = 0; r0 < M; r0 += PAIR_ROWS) {
             const int64_t left = M - r0;
@@ -338,7 +452,8 @@ static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
     /* int4 calls of a few rows (decode steps, verifies): tiles by pairs (an odd last one
        alone); of MAX_ROWS rows or more (a prefill), single tiles MAX_ROWS rows at a time,
        which the Xeon ran 2-10% faster (512 rows of Qwen2-1.5B's shapes, one thread) */
-    const int64_t step = bits == 4 && M < MAX_ROWS ? 2 : 1;
+    const int amx = amx_on && M >= AMX_MIN_ROWS(bits);
+    const int64_t step = bits == 4 && M < MAX_ROWS && !amx ? 2 : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         Top *top = tops ? tops + (int64_t)omp_get_thread_num() * M : NULL;
@@ -346,6 +461,9 @@ static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
         for (int64_t t = 0; t < tiles; t += step)
             tile(w, bits, K, G, qa, sa, ssum, M, bias, y, bf16, N, t,
                  step == 2 && t + 1 < tiles, top);
+#ifdef WQ_AMX
+        if (amx) amx_release();  /* no tile state kept between calls */
+#endif
     }
     if (tops) top_finish(tops, threads, M, index, lse, value);
     free(qa);
