@@ -68,9 +68,7 @@ class CalibrationStore:
         weight = model.model.embed_tokens.weight
         return cls(root, model=checkpoint_identity(model_dir),
                    device=device_identity(weight.device), dtype=weight.dtype,
-                   threads=torch.get_num_threads(), kernels=native.status() + (
-                       "+amx" if native.available() and native.kernels().amx else ""),
-                   **settings)
+                   threads=torch.get_num_threads(), kernels=native.flavour(), **settings)
 
     def read(self, step: str) -> tuple[Invariance, tuple[Curves, Curves]] | None:
         try:

@@ -203,8 +203,7 @@ def describe(model: Transformer) -> str:
         return mode + auto
     drafts = f"; drafts {model.draft_quant}" if model.draft_quant != mode else ""
     if all(p.native for p in packed.values()):
-        amx = "+amx" if native.kernels().amx else ""
-        return f"{mode} (vnni{amx} kernels{drafts}){auto}"
+        return f"{mode} ({native.flavour()} kernels{drafts}){auto}"
     why = native.status() if mode in ("int4", "int8") and \
         model.model.embed_tokens.weight.device.type == "cpu" else ""
     return f"{mode} (torch kernels{': ' + why if why != 'vnni' and why else ''}){auto}"

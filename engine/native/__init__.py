@@ -10,7 +10,7 @@ flags and the compiler), then loaded with ctypes: no build step at install, unde
 to compile, and a machine without a compiler or without VNNI runs torch's kernels instead
 (`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the CPU also has
 AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`); where
-it has AMX-INT8, products of two rows or more run on its tiles (`amx`; `AHEAD_AMX=0`: not).
+it has AMX-INT8, products of many rows run on its tiles (`amx`, wq.c; `AHEAD_AMX=0`: not).
 Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
 soname), as many threads as `torch.get_num_threads()`.
 """
@@ -52,18 +52,16 @@ class NativeUnavailable(RuntimeError):
 class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib  # (rows.py declares its own functions)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn = lib.wq_linear
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, i64, *[ctypes.c_int] * 2]
         self._linear = fn
         self._linear_top = lib.wq_linear_top
         self._linear_top.restype = ctypes.c_int
         self._linear_top.argtypes = [*fn.argtypes, *[ctypes.c_void_p] * 3]
         att = lib.causal_attention
         att.restype = ctypes.c_int
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
         att.argtypes = [ptr, *[i64] * 10, ctypes.c_int, ptr, ptr, *[i64] * 4, ptr, ptr,
                         ctypes.c_int, ctypes.c_float, i64, i64, ctypes.c_int, ctypes.c_int]
         self._attention = att
@@ -89,8 +87,7 @@ class Kernels:
         self._gdn = gdn
         norm = lib.gdn_gated_norm
         norm.restype = ctypes.c_int
-        norm.argtypes = [ptr] + [i64] * 4 + [ptr, i64, i64, ptr, ctypes.c_float, ptr,
-                                             ctypes.c_int]
+        norm.argtypes = [ptr] + [i64] * 4 + [ptr, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
         self._gdn_norm = norm
 
     def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
@@ -216,8 +213,7 @@ def _build() -> Path:
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise NativeUnavailable(f"the C compiler ({cc}) does not run: {e}") from e
     key = hashlib.sha256("\n".join([*(f.read_text() for f in (*SOURCES, *HEADERS)),
-                                     " ".join(FLAGS), cc,
-                                     version]).encode()).hexdigest()[:16]
+                                     " ".join(FLAGS), cc, version]).encode()).hexdigest()[:16]
     path = cache_dir("native") / f"wq-{key}.so"
     if path.is_file():
         return path
@@ -237,8 +233,7 @@ def _build() -> Path:
 def _load() -> Kernels | str:
     if os.environ.get("AHEAD_NATIVE", "1") == "0":
         return "off (AHEAD_NATIVE=0)"
-    missing = _missing_cpu_flags()
-    if missing:
+    if missing := _missing_cpu_flags():
         return f"this CPU lacks {', '.join(missing)}"
     try:
         return Kernels(ctypes.CDLL(str(_build())))
@@ -260,6 +255,12 @@ def status() -> str:
     """"vnni" when the kernels run here, else why not."""
     got = _load()
     return "vnni" if isinstance(got, Kernels) else got
+
+
+def flavour() -> str:
+    """`status()`, "vnni+amx" where AMX tiles multiply calls of many rows (wq.c)."""
+    got = _load()
+    return "vnni+amx" if isinstance(got, Kernels) and got.amx else status()
 
 
 _available: bool | None = None

@@ -357,12 +357,12 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_tile_rows(
 }
 #endif
 
-/* Tile t (int4: tiles t and t + 1 where `pair`) for all M rows. */
+/* Tile t (int4: tiles t and t + 1 where `pair`) for all M rows (on AMX tiles where `amx`). */
 static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa,
                  const float *sa, const float *ssum, int64_t M, const float *bias, void *y,
-                 int bf16, int64_t N, int64_t t, int pair, Top *top) {
+                 int bf16, int64_t N, int64_t t, int pair, int amx, Top *top) {
 #ifdef WQ_AMX
-    if (amx_on && M >= AMX_MIN_ROWS(bits)) {
+    if (amx) {
         for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS)
             amx_tile_rows(w, bits, K, G, qa, sa, ssum, r0,
                           (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS), bias, y, bf16, N, t,
@@ -460,7 +460,7 @@ static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t += step)
             tile(w, bits, K, G, qa, sa, ssum, M, bias, y, bf16, N, t,
-                 step == 2 && t + 1 < tiles, top);
+                 step == 2 && t + 1 < tiles, amx, top);
 #ifdef WQ_AMX
         if (amx) amx_release();  /* no tile state kept between calls */
 #endif
