@@ -73,14 +73,17 @@ def test_the_layout_made_from_a_weights_values_is_packs_of_its_codes(
 
 @needs_vnni
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("width", [256, 64, 96])  # activation groups of 128, 64 and 32
+# activation groups of 128 (6 of them: four and two at a time on AMX), 64 and 32
+@pytest.mark.parametrize("width", [256, 768, 64, 96])
+@pytest.mark.parametrize("rows", [11, 4])
 def test_a_rows_bits_are_its_own_in_any_batch_and_on_any_number_of_threads(
-        mode: str, width: int) -> None:
-    """Also where the CPU has AMX: 22 rows run on its tiles, one row on VPDPBUSD."""
+        mode: str, width: int, rows: int) -> None:
+    """Also where the CPU has AMX: 22 rows (int8 and int4) and 8 (int8: one group at a
+    time; int4) run on its tiles, one row on VPDPBUSD."""
     layer, _ = _layer(mode, 75, width)
-    x = torch.randn(2, 11, width, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, rows, width, generator=torch.Generator().manual_seed(2))
     together = layer(x)
-    alone = torch.stack([torch.stack([layer(x[b, i:i + 1])[0] for i in range(11)])
+    alone = torch.stack([torch.stack([layer(x[b, i:i + 1])[0] for i in range(rows)])
                          for b in range(2)])
     assert torch.equal(together, alone)
     threads = torch.get_num_threads()

@@ -259,19 +259,24 @@ static inline __attribute__((always_inline)) void pair_rows(
    are split into two (inputs 8j + b, then 8j + 4 + b). The int32 sums are exact in any order
    and the group's fold is `fold_group`'s, so a row's bits are those of the VNNI path,
    whichever path a call's number of rows takes. Prefills and int8 verifies gain; a verify of
-   a few int4 rows stays on VPDPBUSD (AMX_MIN_ROWS). */
+   a few int4 rows stays on VPDPBUSD (AMX_MIN_ROWS). Two kernels: `amx_tiles` (four C tiles
+   in flight, the int4 splits made ahead) and, for int8 calls of fewer than AMX_ROWS rows,
+   `amx_chain`. Against one C tile for every call, 80 weights of 6144 x 2048 by turns, one
+   thread: int4 16 rows 55.1 -> 52.7 ms, 64 rows 179.7 -> 164.9; int8 16 rows 102.9 -> 83.6,
+   64 rows 201.4 -> 178.0. */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define WQ_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
 #define AMX_ROWS 16
+enum { AMX_CHAIN = 1, AMX_TILES = 2 };  /* `tile`'s amx: which kernel */
 /* The fewest rows a call runs by AMX (fewer: VPDPBUSD). Measured on a 2-core Xeon with AMX,
-   one thread, 40 weights of 6144 x 2048, ms for them all, VNNI / AMX (medians of 5, two
-   runs by turns): int4, 4 rows 20.2 / 21.9, 8 rows 24.5 / 22.8, 64 rows 135 / 93 (splitting
-   the nibbles costs more than a few rows' VPDPBUSD, which pair_rows keeps busy); int8, 2 rows
-   36.8 / 38.9, 3 rows 41.1 / 39.1, 4 rows 43.2 / 39.4, 64 rows 151 / 107. */
-#define AMX_MIN_ROWS(bits) ((bits) == 4 ? 8 : 3)
+   one thread, weights of 6144 x 2048 (1 GB of int4, 0.8 GB of int8: from memory), ms for
+   them all, VNNI / AMX, two runs by turns: int4, 4 rows 55.3 / 62.4, 5 rows 66.4 / 63.0,
+   6 rows 70.3 / 63.7 (a few rows' VPDPBUSD, which pair_rows keeps busy, cost less than
+   splitting the nibbles); int8, 3 rows 54.7 / 55.6, 4 rows 60.2 / 55.6. */
+#define AMX_MIN_ROWS(bits) ((bits) == 4 ? 5 : 3)
 
 static int amx_on = 0;
 static __thread int amx_set = 0;  /* rows << 8 | inputs a B tile: this thread's config */
@@ -292,15 +297,16 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) TileConfig;
 
-/* Tiles 0 (C: mr rows of 16 int32), 1 (A: mr rows of kc activation codes), 2 (B: kc / 4
-   rows of 16 outputs x 4 weight codes); kc: 64 inputs, or a group of 32. */
+/* Tiles 0-3 (C: mr rows of 16 int32, a group's sums each), 4-5 (A: mr rows of kc
+   activation codes), 6-7 (B: kc / 4 rows of 16 outputs x 4 weight codes); kc: 64 inputs,
+   or a group of 32. */
 __attribute__((target("amx-tile,amx-int8"))) static void amx_configure(int mr, int kc) {
     TileConfig cfg = {0};
     cfg.palette = 1;
-    cfg.colsb[0] = cfg.colsb[2] = 64;
-    cfg.colsb[1] = (uint16_t)kc;
-    cfg.rows[0] = cfg.rows[1] = (uint8_t)mr;
-    cfg.rows[2] = (uint8_t)(kc / 4);
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = (uint16_t)(i == 4 || i == 5 ? kc : 64);
+        cfg.rows[i] = (uint8_t)(i >= 6 ? kc / 4 : mr);
+    }
     _tile_loadconfig(&cfg);
     amx_set = mr << 8 | kc;
 }
@@ -310,8 +316,10 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_release(void) {
     amx_set = 0;
 }
 
-/* `tile_rows` by AMX, mr <= AMX_ROWS rows. */
-__attribute__((target("amx-tile,amx-int8"))) static void amx_tile_rows(
+/* `tile_rows` by AMX, mr <= AMX_ROWS rows, one group after another in one C tile: for int8
+   calls of fewer than AMX_ROWS rows, which it ran 5-6% faster than `amx_tiles` (3 and 4
+   rows, 60 weights of 6144 x 2048 by turns), the tile's products being few. */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_chain(
         const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, int mr, const float *bias, void *y, int bf16,
         int64_t N, int64_t t, Top *top) {
@@ -339,21 +347,123 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_tile_rows(
                     _mm512_store_si512(split + 128 * j + 64,
                                        _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
                 }
-                _tile_loadd(2, split, 64);
+                _tile_loadd(6, split, 64);
             } else {
                 for (int j = 0; j < kc / 4; j++)
                     _mm_prefetch((const char *)p + 16 * kc * c + 64 * j + PREFETCH_L1,
                                  _MM_HINT_T0);
-                _tile_loadd(2, p + 16 * kc * c, 64);
+                _tile_loadd(6, p + 16 * kc * c, 64);
             }
-            _tile_loadd(1, a0 + kc * c, K);
-            _tile_dpbsud(0, 1, 2);  /* signed activations times unsigned weight codes */
+            _tile_loadd(4, a0 + kc * c, K);
+            _tile_dpbsud(0, 4, 6);  /* signed activations times unsigned weight codes */
         }
         _tile_stored(0, sums, 64);
         for (int r = 0; r < mr; r++) acc[r] = _mm512_load_si512(sums + TILE * r);
         fold_group(facc, acc, mr, p + body, sa, ssum, r0 * ng + g, ng);
     }
     store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16, top);
+}
+
+/* An int4 B tile: the 64-byte vectors of kc inputs at v split into their low and high
+   nibbles in buf, which then holds the tile's rows (inputs 8j + b, then 8j + 4 + b). Each
+   vector fetches into L1 the line PREFETCH_L1 ahead of it, `skip` further on. */
+static inline void amx_split(const uint8_t *v, int kc, uint8_t *buf, int64_t skip) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < kc / 8; j++) {
+        _mm_prefetch((const char *)v + 64 * j + PREFETCH_L1 + skip, _MM_HINT_T0);
+        const __m512i x = _mm512_loadu_si512(v + 64 * j);
+        _mm512_store_si512(buf + 128 * j, _mm512_and_si512(x, low));
+        _mm512_store_si512(buf + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(x, 4), low));
+    }
+}
+
+/* Splits made this many B tiles ahead of the one loaded: a tile loaded right after the
+   stores that wrote it waited for them (50 cycles a tile, where three or more ahead took
+   15, on the 2-core Xeon). AMX_RING buffers hold them. */
+#define AMX_AHEAD 4
+#define AMX_RING 8
+
+/* `tile_rows` by AMX for tiles t .. t + nt - 1 (nt: 1, or 2 as `pair_rows` takes them, two
+   streams of weights), mr <= AMX_ROWS rows: four C tiles in flight (per tile, four groups
+   or two at a time), so that four chains of TDPBSUD run side by side (one accumulator made
+   each product wait for the one before, then its sums' store and reload); the A tiles
+   alternate, the B tiles by stream. Each tile's groups fold in their order. */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_tiles(
+        const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
+        const float *ssum, int64_t r0, int mr, const float *bias, void *y, int bf16,
+        int64_t N, int64_t t, int nt, Top *top) {
+    const int kc = G < 64 ? (int)G : 64;
+    if (amx_set != (mr << 8 | kc)) amx_configure(mr, kc);
+    const int64_t ng = K / G, body = G * TILE * bits / 8, block = body + 4 * TILE;
+    const int64_t tile_bytes = ng * block, chunk_bytes = 16 * kc * bits / 8;
+    /* B tiles in order q: group, then chunk of kc inputs in it (G / kc: 1 or 2), then
+       stream (nt: 1 or 2) */
+    const int cs = G > kc, ns = nt == 2, per = nt == 2 ? 2 : 4;  /* groups a pass */
+    const int64_t Q = ng << (cs + ns);
+    uint8_t ring[AMX_RING][1024] __attribute__((aligned(64)));
+    int32_t sums[4][AMX_ROWS * TILE] __attribute__((aligned(64)));
+    __m512 facc[2][AMX_ROWS];
+    __m512i acc[AMX_ROWS];
+    for (int u = 0; u < nt; u++)
+        for (int r = 0; r < mr; r++) facc[u][r] = _mm512_setzero_ps();
+    const uint8_t *p[2] = {w + t * tile_bytes, w + (t + 1) * tile_bytes};
+#define OFFSET(q) (((q) >> (cs + ns)) * block + (((q) >> ns) & cs) * chunk_bytes)
+#define SKIP(off) (ns && (off) + PREFETCH_L1 >= tile_bytes ? tile_bytes : 0)
+#define SPLIT(q) do { const int64_t o_ = OFFSET(q); \
+        amx_split(p[(q) & ns] + o_, kc, ring[(q) % AMX_RING], SKIP(o_)); } while (0)
+    if (bits == 4)
+        for (int64_t q = 0; q < AMX_AHEAD && q < Q; q++) SPLIT(q);
+    const int8_t *a0 = qa + r0 * K;
+    for (int64_t g = 0; g < ng; g += per) {
+        const int n = ng - g < per ? (int)(ng - g) : per;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int i = 0; i < n; i++)
+            for (int c = 0; c <= cs; c++) {
+                const int8_t *a = a0 + (g + i) * G + kc * c;
+                const int odd = (i * (cs + 1) + c) & 1;  /* the A tile: 4 or 5 */
+                if (odd) _tile_loadd(5, a, K); else _tile_loadd(4, a, K);
+                for (int u = 0; u < nt; u++) {
+                    const int64_t q = (((g + i) << cs | c) << ns) | u;
+                    const uint8_t *b;
+                    if (bits == 4) {
+                        if (q + AMX_AHEAD < Q) SPLIT(q + AMX_AHEAD);
+                        b = ring[q % AMX_RING];
+                    } else {
+                        const int64_t off = OFFSET(q);
+                        b = p[u] + off;
+                        for (int j = 0; j < kc / 4; j++)
+                            _mm_prefetch((const char *)b + 64 * j + PREFETCH_L1 + SKIP(off),
+                                         _MM_HINT_T0);
+                    }
+#define DP(C, A, B) _tile_loadd(B, b, 64); _tile_dpbsud(C, A, B); break;
+                    switch ((i * nt + u) << 1 | odd) {  /* tile numbers are constants */
+                    case 0: DP(0, 4, 6) case 1: DP(0, 5, 6) case 2: DP(1, 4, 7)
+                    case 3: DP(1, 5, 7) case 4: DP(2, 4, 6) case 5: DP(2, 5, 6)
+                    case 6: DP(3, 4, 7) default: DP(3, 5, 7)
+                    }
+#undef DP
+                }
+            }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+        for (int i = 0; i < n; i++)
+            for (int u = 0; u < nt; u++) {
+                for (int r = 0; r < mr; r++)
+                    acc[r] = _mm512_load_si512(sums[i * nt + u] + TILE * r);
+                fold_group(facc[u], acc, mr, p[u] + (g + i) * block + body, sa, ssum,
+                           r0 * ng + g + i, ng);
+            }
+    }
+#undef SPLIT
+#undef SKIP
+#undef OFFSET
+    for (int u = 0; u < nt; u++)
+        store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16, top);
 }
 #endif
 
@@ -362,11 +472,15 @@ static void tile(const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t 
                  const float *sa, const float *ssum, int64_t M, const float *bias, void *y,
                  int bf16, int64_t N, int64_t t, int pair, int amx, Top *top) {
 #ifdef WQ_AMX
+    if (amx == AMX_CHAIN) {
+        amx_chain(w, bits, K, G, qa, sa, ssum, 0, (int)M, bias, y, bf16, N, t, top);
+        return;
+    }
     if (amx) {
         for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS)
-            amx_tile_rows(w, bits, K, G, qa, sa, ssum, r0,
-                          (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS), bias, y, bf16, N, t,
-                          top);
+            amx_tiles(w, bits, K, G, qa, sa, ssum, r0,
+                      (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS), bias, y, bf16, N, t,
+                      pair ? 2 : 1, top);
         return;
     }
 #endif
@@ -452,8 +566,9 @@ static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
     /* int4 calls of a few rows (decode steps, verifies): tiles by pairs (an odd last one
        alone); of MAX_ROWS rows or more (a prefill), single tiles MAX_ROWS rows at a time,
        which the Xeon ran 2-10% faster (512 rows of Qwen2-1.5B's shapes, one thread) */
-    const int amx = amx_on && M >= AMX_MIN_ROWS(bits);
-    const int64_t step = bits == 4 && M < MAX_ROWS && !amx ? 2 : 1;
+    const int amx = !amx_on || M < AMX_MIN_ROWS(bits) ? 0
+                    : bits == 8 && M < AMX_ROWS ? AMX_CHAIN : AMX_TILES;
+    const int64_t step = amx == AMX_TILES || (bits == 4 && M < MAX_ROWS && !amx) ? 2 : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         Top *top = tops ? tops + (int64_t)omp_get_thread_num() * M : NULL;
