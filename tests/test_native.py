@@ -465,3 +465,76 @@ def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_
             untouched = [e for e in range(ring) if e not in (int(entry), int(entries[row, -1]))]
             assert torch.equal(cache.state[slot, untouched], start[slot, untouched])
         assert torch.equal(cache.state[1], start[1])  # a slot not in the window
+
+
+@needs_vnni
+@pytest.mark.parametrize("v_dim", [48, 64, 256])
+@pytest.mark.parametrize("width", [4, 1])  # the next pass: a verify window, a plain step
+def test_a_deferred_settle_made_by_the_next_pass_gives_the_settles_bits(
+        v_dim: int, width: int) -> None:
+    """A commit that keeps a position before its window's last defers the state's write
+    (`StateCache.defer`); the next pass of the same rows makes it as it reads it: its
+    outputs, the committed state it writes and the state after its last position are the
+    bits of a settle followed by the pass, for every kept position (none pending for the
+    last); a pass of other rows, or any other reader, has it settled first."""
+    from engine.cache.state import StateCache, commit
+
+    gen = torch.Generator().manual_seed(11)
+    heads, k_dim, window, ring = 4, 32, 4, 6
+    slots = torch.tensor([2, 0])
+
+    def inputs(s: int) -> tuple[torch.Tensor, ...]:
+        q, k = (torch.randn(2, heads, s, k_dim, generator=gen) * 0.3 for _ in range(2))
+        return (q, k, torch.randn(2, heads, s, v_dim, generator=gen),
+                torch.rand(2, heads, s, generator=gen), torch.rand(2, heads, s, generator=gen))
+
+    first, second = inputs(window), inputs(width)
+    start = torch.randn(3, ring, heads, k_dim, v_dim, generator=gen)
+
+    def run(kept: list[int], deferred: bool) -> tuple[StateCache, torch.Tensor]:
+        index = torch.tensor([1, 0, 4])
+        cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
+        cache.state.copy_(start)
+        assert cache.delta_rule_last(*first, slots) is not None
+        u, n = cache.unsettled, torch.tensor(kept)
+        assert u is not None
+        if deferred:
+            cache.defer(u.kept(slots, n))
+            assert cache.pending
+        else:
+            cache.settle(slots, n)
+        commit(index, ring, slots, n)
+        pending = cache.take(slots) if deferred else None
+        assert not cache.pending
+        if width > 1:
+            out = cache.delta_rule_last(*second, slots, pending)
+        else:
+            src, dst = cache.state_offsets(slots, width)
+            out = native.delta_rule(*second, cache.state, src, dst, pending=pending)
+        assert out is not None
+        return cache, out
+
+    for kept in ([0, 2], [1, 3], [3, 3], [2, 0]):
+        (want, want_out), (got, got_out) = run(kept, False), run(kept, True)
+        assert torch.equal(got_out, want_out), kept
+        assert torch.equal(got.state, want.state), kept  # committed, last and every other
+        index = torch.tensor([1, 0, 4])  # and for any other reader, settled first
+        other = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
+        other.state.copy_(start)
+        assert other.delta_rule_last(*first, slots) is not None and other.unsettled is not None
+        other.defer(other.unsettled.kept(slots, torch.tensor(kept)))
+        commit(index, ring, slots, torch.tensor(kept))
+        settled = run(kept, False)[0]
+        assert torch.equal(other.read_state(slots), settled.state[slots, index[slots]])
+        assert not other.pending
+    # rows stepping by turns each keep theirs: a pass of other rows leaves it, a reader of
+    # any of its rows has it made
+    cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, torch.tensor([1, 0, 4]),
+                       torch.float32)
+    assert cache.delta_rule_last(*first, slots) is not None and cache.unsettled is not None
+    cache.defer(cache.unsettled.kept(slots, torch.tensor([0, 1])))
+    assert cache.take(torch.tensor([1])) is None and list(cache.pending) == [(2, 0)]
+    cache.settle_pending(torch.tensor([1]))
+    assert list(cache.pending) == [(2, 0)]
+    cache.settle_pending(torch.tensor([0, 1]))
+    assert not cache.pending

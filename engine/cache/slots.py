@@ -127,7 +127,7 @@ class Caches:
                 continue
             if kept is None or kept[0] is not u.slots:
                 kept = (u.slots, u.kept(slots, n))
-            cache.settle(slots, n, kept[1])
+            cache.defer(kept[1])
         commit(self.state_index, self.snapshots, slots, n)
         self.offsets.forget()
 

@@ -7,9 +7,11 @@ names the committed one. A pass that runs S positions writes the state after eac
 (or, for a prefill chunk, only after its last) into the ring entries after the committed one,
 never over it; the step then commits the state after the accepted position by moving the
 index (`commit`): a pick, and no copy. On the CPU our kernel writes only the state after a
-verify window's last position and keeps each position's factor; `settle`, just before the
-commit, writes the state after the kept position from them where it is another (the same
-bits; one state written where S were). One entry more than the k_max + 1
+verify window's last position and keeps each position's factor; the commit defers the
+write of the state after the kept position, where it is another, to the next pass, which
+makes it from the state the window read and those factors as it reads it (`Pending`: the
+same bits; one state read where a settle after the commit and the pass read two), or, for
+any other reader, `settle` writes it first. One entry more than the k_max + 1
 snapshots a verify makes: the committed state must survive the pass that reads it, so that a
 pass can be run again (the invariance probe does) and nothing is copied at commit.
 
@@ -20,6 +22,8 @@ each entry holds is the host's record (`Slot`, cache/slots.py).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,8 +37,8 @@ class StateCache:
     the convolution) and the delta rule's [slots, R, H, Dk, Dv] in fp32; and as many saved
     ones, [slots, P, ...] each."""
 
-    __slots__ = ("conv", "index", "offsets", "ring", "saved_conv", "saved_state", "state",
-                 "unsettled")
+    __slots__ = ("conv", "index", "offsets", "pending", "ring", "saved_conv", "saved_state",
+                 "state", "unsettled")
 
     def __init__(self, num_slots: int, ring: int, conv_size: int, kernel: int, num_heads: int,
                  k_dim: int, v_dim: int, index: Tensor, dtype: torch.dtype,
@@ -54,9 +58,12 @@ class StateCache:
         # The last window's pass when it wrote only the state after its last position
         # (`delta_rule_last`): `settle` writes the one a commit keeps, if another.
         self.unsettled: Unsettled | None = None
+        # Commits' writes of the states they keep, put off to the next pass (`defer`), by the
+        # slots of the pass that made them.
+        self.pending: dict[tuple[int, ...], Pending] = {}
 
     def delta_rule_last(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
-                        slots: Tensor) -> Tensor | None:
+                        slots: Tensor, pending: native.Pending | None = None) -> Tensor | None:
         """`native.delta_rule` over a verify window of `slots` that writes only the state after
         its last position (one write of every head's state where `delta_rule` makes S) and
         keeps each position's factor d_t [B, H, S, Dv], from which `settle` writes the state
@@ -67,7 +74,7 @@ class StateCache:
         k, decay = k.float().contiguous(), decay.float().contiguous()  # as the kernel reads
         src, dst = self.kernel_offsets(slots, q.shape[2])
         factors = torch.empty(v.shape, dtype=torch.float32)
-        out = native.delta_rule(q, k, v, decay, beta, self.state, src, dst, factors)
+        out = native.delta_rule(q, k, v, decay, beta, self.state, src, dst, factors, pending)
         if out is not None:
             self.unsettled = Unsettled(slots, src, dst, k, factors, decay)
         return out
@@ -81,12 +88,53 @@ class StateCache:
             u.settle(self.state, u.kept(slots, n) if kept is None else kept)
             self.unsettled = None
 
+    def defer(self, kept: Tensor) -> None:
+        """What `settle` would write for a commit keeping position kept [rows] of the last
+        pass's rows (`Unsettled.kept`), left to the next pass of the same rows (`take`) or
+        to whatever reads their states first (`settle_pending`). Each set of rows keeps its
+        own: a batch's slots stepping by turns (a benchmark's modes) each make theirs."""
+        u = self.unsettled
+        if u is None:
+            return
+        self.unsettled = None
+        rows = tuple(u.slots.tolist())
+        self._settle(set(rows))  # (a pass of these rows has taken theirs)
+        count = torch.where((kept >= 0) & (kept < u.factors.shape[2] - 1), kept + 1, 0)
+        # (rows with nothing to write among them, 0: no host read to leave them out)
+        self.pending[rows] = Pending(u, kept, count.to(torch.int64).contiguous())
+
+    def take(self, slots: Tensor) -> native.Pending | None:
+        """For a pass of our kernel over `slots`: the deferred write of these rows, which the
+        pass then makes (native.Pending); None where they have none (any other that shares a
+        row with them is made now)."""
+        if not self.pending:
+            return None
+        rows = tuple(slots.tolist())
+        p = self.pending.pop(rows, None)
+        self._settle(set(rows))
+        if p is None:
+            return None
+        u = p.window
+        return u.src, u.k, u.factors, u.decay, p.positions
+
+    def settle_pending(self, slots: Tensor | None = None) -> None:
+        """The deferred writes of `slots` (every slot's, when None) made now, for a reader
+        other than our kernel's pass (`defer`)."""
+        if self.pending:
+            self._settle(None if slots is None else set(slots.tolist()))
+
+    def _settle(self, rows: set[int] | None) -> None:
+        for key in [k for k in self.pending if rows is None or rows.intersection(k)]:
+            p = self.pending.pop(key)
+            p.window.settle(self.state, p.kept)
+
     def read_conv(self, slots: Tensor) -> Tensor:
         """The committed conv states [B, C, K-1] of `slots`."""
         return self.conv[slots, self.index[slots]]
 
     def read_state(self, slots: Tensor) -> Tensor:
         """The committed delta-rule states [B, H, Dk, Dv] of `slots`."""
+        self.settle_pending(slots)
         return self.state[slots, self.index[slots]]
 
     def write(self, slots: Tensor, conv: Tensor, state: Tensor) -> None:
@@ -97,6 +145,7 @@ class StateCache:
 
     def write_conv(self, slots: Tensor, conv: Tensor) -> None:
         """The conv states after each of S positions [B, S, C, K-1] (as `write`)."""
+        self.settle_pending(slots)
         self.unsettled = None  # a pass of its own: an earlier window's is stale
         self.conv[slots[:, None], self._after(slots, conv.shape[1])] = conv.to(self.conv.dtype)
 
@@ -112,6 +161,7 @@ class StateCache:
         """`state_offsets` as the kernels take them (int64, contiguous), from the shared
         `offsets` where this cache has them (not in a compiled pass: computed in its graph)."""
         if self.offsets is not None and not torch.compiler.is_compiling():
+            self.settle_pending(slots)  # (a pass that makes theirs has taken it: `take`)
             return self.offsets.get(self, slots, positions)
         src, dst = self.state_offsets(slots, positions)
         return src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
@@ -123,6 +173,7 @@ class StateCache:
 
     def clear(self, slots: Tensor) -> None:
         """The committed states of `slots` back to zero (nothing seen yet)."""
+        self.settle_pending(slots)
         self.unsettled = None
         at = self.index[slots]
         self.conv[slots, at] = 0
@@ -130,12 +181,14 @@ class StateCache:
 
     def save(self, slots: Tensor, entry: int) -> None:
         """The committed states of `slots` into their saved entry `entry`."""
+        self.settle_pending(slots)
         at = self.index[slots]
         self.saved_conv[slots, entry] = self.conv[slots, at]
         self.saved_state[slots, entry] = self.state[slots, at]
 
     def restore(self, slots: Tensor, entry: int) -> None:
         """The saved entry `entry` of `slots` back into their committed states."""
+        self.settle_pending(slots)
         self.unsettled = None
         at = self.index[slots]
         self.conv[slots, at] = self.saved_conv[slots, entry]
@@ -176,6 +229,16 @@ def commit(index: Tensor, ring: int, slots: Tensor, n: Tensor) -> None:
     """Make the state after position n [B] of the last pass (0: its first, or a prefill
     chunk's last) the committed one of `slots`."""
     index[slots] = (index[slots] + 1 + n) % ring
+
+
+class Pending(NamedTuple):
+    """A commit's deferred write (`StateCache.defer`): the window it came from, the
+    position each of its rows keeps ([rows], -1: none) and how many of the window's
+    positions that is where the state is not written yet ([rows] int64, else 0)."""
+
+    window: Unsettled
+    kept: Tensor
+    positions: Tensor
 
 
 class Unsettled:

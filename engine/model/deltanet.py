@@ -146,12 +146,15 @@ class GatedDeltaNet(nn.Module):
             return None
         q, k, v, decay, beta = prepared
         cache.unsettled = None  # this pass writes the ring entries after the committed one
+        pending = cache.take(batch.slots)  # the committed states a commit left unwritten
         out: Tensor | None
         if seqlen > 1:  # a verify window: the state after its last position alone
-            out = cache.delta_rule_last(q, k, v, decay, beta, batch.slots)
+            out = cache.delta_rule_last(q, k, v, decay, beta, batch.slots, pending)
         else:
             src, dst = cache.kernel_offsets(batch.slots, seqlen)
-            out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst)
+            out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst,
+                                    pending=pending)
+        assert out is not None or pending is None  # (the kernel took the pass that made it)
         if out is None:
             return None
         y = native.gdn_gated_norm(out, proj, self.conv_size, self.step_params[3], self.norm.eps)
@@ -192,6 +195,7 @@ def _recurrent_in_cache(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         cache: StateCache, slots: Tensor) -> Tensor | None:
     """`recurrent` by our kernel where it runs (AVX-512 CPUs), its states read from and
     written into the cache's ring in place; None elsewhere."""
+    cache.settle_pending(slots)
     if q.device.type != "cpu" or not native.available():
         return None
     src, dst = cache.kernel_offsets(slots, q.shape[2])

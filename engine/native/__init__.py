@@ -37,6 +37,12 @@ from engine.native.layout import pack as pack
 from engine.native.layout import reference as reference
 from engine.paths import cache_dir, write_replacing
 
+# A deferred settle as deltanet.c's delta_rule takes it: per row the offset of the state an
+# earlier window read [B]; that window's k [B, H, P, Dk], factors [B, H, P, Dv] and decay
+# [B, H, P] (fp32, contiguous); how many of its positions the row's committed state has [B]
+# (int64; 0: none, the committed state is written).
+Pending = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+
 SOURCES = tuple(Path(__file__).with_name(f"{name}.c")
                 for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows"))
 HEADERS = (Path(__file__).with_name("vecmath.h"),)
@@ -77,6 +83,7 @@ class Kernels:
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int, ptr]
+        delta.argtypes = [*delta.argtypes, *[ptr] * 5, i64]  # a deferred settle (Pending)
         self._delta = delta
         self._settle = lib.delta_settle
         self._settle.restype = None
@@ -91,15 +98,18 @@ class Kernels:
         self._gdn_norm = norm
 
     def run_delta_rule(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
-                       states: Tensor, src: Tensor, dst: Tensor, d: Tensor | None = None) -> Tensor:
+                       states: Tensor, src: Tensor, dst: Tensor, d: Tensor | None = None,
+                       pending: Pending | None = None) -> Tensor:
         bsz, heads, seqlen, dk = q.shape
         q, k, v, decay, beta = (t.float().contiguous() for t in (q, k, v, decay, beta))
         src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
         out = v.new_empty(v.shape)
+        p = (None,) * 5 + (0,) if pending is None else \
+            (*(t.data_ptr() for t in pending), pending[1].shape[2])
         done = self._delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
                            beta.data_ptr(), states.data_ptr(), src.data_ptr(), dst.data_ptr(),
                            bsz, heads, seqlen, dk, v.shape[-1], out.data_ptr(),
-                           torch.get_num_threads(), None if d is None else d.data_ptr())
+                           torch.get_num_threads(), None if d is None else d.data_ptr(), *p)
         if done == -2:
             raise MemoryError("delta rule: no scratch memory for a head's state")
         if done != 0:
@@ -320,18 +330,20 @@ def kv_write(cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor, slots: Tens
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
-               src: Tensor, dst: Tensor, d: Tensor | None = None) -> Tensor | None:
+               src: Tensor, dst: Tensor, d: Tensor | None = None,
+               pending: Pending | None = None) -> Tensor | None:
     """`deltanet.recurrent` over q, k [B, H, S, Dk], v [B, H, S, Dv], decay (a_t, not its
     log), beta [B, H, S], each row's state at element offset src [B] of `states` (fp32,
     contiguous: the cache's ring), the state after each position to dst [B, S] (with d, eager
-    only: the last's, and each position's factor into d [B, H, S, Dv]: deltanet.c). Returns
+    only: the last's, and each position's factor into d [B, H, S, Dv]; with `pending`, eager
+    only: committed states made first from an earlier window's factors: deltanet.c). Returns
     o [B, H, S, Dv]; None for shapes it does not take."""
     if not (states.dtype == torch.float32 and states.is_contiguous() and v.shape[-1] % 16 == 0
             and v.shape[-1] <= 256 and q.shape[2] <= 64):
         return None
     if torch.compiler.is_compiling():  # (never with d: see StateCache.delta_rule_last)
         return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
-    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst, d)
+    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst, d, pending)
 
 
 GdnShape = tuple[int, int, int, int, int]  # key heads, value heads, Dk, Dv, conv kernel
@@ -365,36 +377,6 @@ def gdn_gated_norm(o: Tensor, proj: Tensor, z_off: int, weight: Tensor, eps: flo
     return kernels().run_gdn_gated_norm(o, proj, z_off, weight, eps)
 
 
-@torch.library.custom_op("ahead::wq_linear", mutates_args=())
-def _wq_linear(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int,
-               group: int) -> Tensor:
-    return kernels().run_linear(x, w, bias, bits, n, group)
+from engine.native import ops  # noqa: E402
 
-
-@_wq_linear.register_fake
-def _(x: Tensor, w: Tensor, bias: Tensor | None, bits: int, n: int, group: int) -> Tensor:
-    return x.new_empty(*x.shape[:-1], n)
-
-
-@torch.library.custom_op("ahead::causal_attention", mutates_args=())
-def _causal_attention(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
-                      window: int, ring: int) -> Tensor:  # contiguous, as the fake says
-    return kernels().run_attention(q, k, v, pos, scale, window, ring).contiguous()
-
-
-@_causal_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, scale: float | None,
-      window: int, ring: int) -> Tensor:
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("ahead::delta_rule", mutates_args=("states",))
-def _delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
-                src: Tensor, dst: Tensor) -> Tensor:
-    return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst)
-
-
-@_delta_rule.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, states: Tensor,
-      src: Tensor, dst: Tensor) -> Tensor:
-    return v.new_empty(v.shape, dtype=torch.float32)
+ops.register(kernels)  # torch.ops.ahead.*, for compiled graphs

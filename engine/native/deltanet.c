@@ -67,18 +67,60 @@ INLINE void update(const float *prev, int64_t ps, float *next, int64_t Dv, float
     }
 }
 
+/* The committed state from an earlier window's (`Pending`): its first state s0 (rows Dv
+   apart) after c more positions of that window, S = a_t S + k_t d_t^T element by element as
+   `delta_settle` makes it (the same bits), into the committed entry `to` (streamed when
+   aligned) and into cur (rows 16 nb apart), with acc = S^T k summed as `dot` sums it. */
+INLINE void catch_up(const float *s0, const float *pk, const float *pd, const float *pa,
+                     int64_t c, float *to, float *cur, const float *k, int64_t Dk,
+                     int64_t Dv, int64_t j0, __m512 *acc, const int nb) {
+    const int stream = ((uintptr_t)(to + j0) & 63) == 0;
+    for (int j = 0; j < nb; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < Dk; i++) {
+        const __m512 ki = _mm512_set1_ps(k[i]);
+        for (int j = 0; j < nb; j++) {
+            __m512 s = _mm512_loadu_ps(s0 + i * Dv + j0 + 16 * j);
+            for (int64_t t = 0; t < c; t++)
+                s = _mm512_fmadd_ps(_mm512_set1_ps(pk[t * Dk + i]),
+                                    _mm512_loadu_ps(pd + t * Dv + j0 + 16 * j),
+                                    _mm512_mul_ps(_mm512_set1_ps(pa[t]), s));
+            if (stream)
+                _mm512_stream_ps(to + i * Dv + j0 + 16 * j, s);
+            else
+                _mm512_storeu_ps(to + i * Dv + j0 + 16 * j, s);
+            _mm512_storeu_ps(cur + i * 16 * nb + 16 * j, s);
+            acc[j] = _mm512_fmadd_ps(ki, s, acc[j]);
+        }
+    }
+}
+
+/* A row's pending positions (`delta_rule`'s p*): the state its pass reads is s0 after the
+   first c positions of an earlier window with factors pk [P, Dk], pd [P, Dv], pa [P]. */
+typedef struct {
+    const float *s0, *pk, *pd, *pa;
+    int64_t c;
+} Pending;
+
 /* Columns j0 .. j0 + 16 nb - 1 of one head of one row over S positions. state: the
-   committed state (read); dst[t]: where the state after position t goes (never the
-   committed one). q, k [S, Dk], v, o [S, Dv], a, b [S] (the head's decay and write strength
-   per position); cur: Dk x 16 nb floats of scratch. */
+   committed state (read; where `pend` has positions, written from them first); dst[t]:
+   where the state after position t goes (never the committed one). q, k [S, Dk], v, o
+   [S, Dv], a, b [S] (the head's decay and write strength per position); cur: Dk x 16 nb
+   floats of scratch. */
 INLINE void chunk(const float *q, const float *k, const float *v, const float *a,
-                  const float *b, const float *state, float *const *dst, int64_t S,
+                  const float *b, float *state, float *const *dst, int64_t S,
                   int64_t Dk, int64_t Dv, int64_t j0, float *o, float *cur, float *dout,
-                  const int nb) {
+                  const Pending *pend, const int nb) {
     __m512 acc[8], d[8], out[8];
-    dot(state + j0, Dv, k, Dk, acc, nb);
     const float *prev = state + j0;
     int64_t ps = Dv;
+    if (pend->c) {
+        catch_up(pend->s0, pend->pk, pend->pd, pend->pa, pend->c, state, cur, k, Dk, Dv, j0,
+                 acc, nb);
+        prev = cur;
+        ps = 16 * nb;
+    } else {
+        dot(state + j0, Dv, k, Dk, acc, nb);
+    }
     for (int64_t t = 0; t < S; t++) {
         const __m512 bt = _mm512_set1_ps(b[t]), at = _mm512_set1_ps(a[t]);
         for (int j = 0; j < nb; j++)  /* d = b (v - a (S^T k)) */
@@ -111,17 +153,18 @@ INLINE void chunk(const float *q, const float *k, const float *v, const float *a
 /* One head of one row over S positions (chunk's arguments), in the widest chunks that
    divide Dv. */
 static void head(const float *q, const float *k, const float *v, const float *a,
-                 const float *b, const float *state, float *const *dst, int64_t S,
-                 int64_t Dk, int64_t Dv, float *o, float *cur, float *dout) {
+                 const float *b, float *state, float *const *dst, int64_t S,
+                 int64_t Dk, int64_t Dv, float *o, float *cur, float *dout,
+                 const Pending *pend) {
     if (Dv % 128 == 0)
         for (int64_t j0 = 0; j0 < Dv; j0 += 128)
-            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, 8);
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, pend, 8);
     else if (Dv % 64 == 0)
         for (int64_t j0 = 0; j0 < Dv; j0 += 64)
-            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, 4);
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, pend, 4);
     else
         for (int64_t j0 = 0; j0 < Dv; j0 += 16)
-            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, 1);
+            chunk(q, k, v, a, b, state, dst, S, Dk, Dv, j0, o, cur, dout, pend, 1);
     _mm_sfence();  /* the streamed states are seen by whoever reads them next */
 }
 
@@ -132,31 +175,48 @@ static void head(const float *q, const float *k, const float *v, const float *a,
    and each position's d_t into d, from which `delta_settle` rebuilds the state after any
    of them (a verify window writes one state where it wrote S: Qwen3.5-2B's 18 layers write
    18 MB a state).
+   With pn (else NULL): the committed states of rows with pn[row] > 0 are not written yet
+   (a commit deferred its settle, see cache/state.py): such a row's pass reads the state at
+   offset base[row] and first applies positions 0 .. pn[row] - 1 of the earlier window's
+   factors pk [B, H, P, Dk], pd [B, H, P, Dv], pa [B, H, P], writing the committed state it
+   makes (`delta_settle`'s bits) into its entry src[row] as it goes on to the window: one
+   read of a state where a settle and then the pass read two.
    Returns 0, -1 for shapes this kernel does not take, or -2 when scratch memory could not
    be had. */
 int delta_rule(const float *q, const float *k, const float *v, const float *a,
                const float *b, float *states, const int64_t *src, const int64_t *dst,
                int64_t B, int64_t H, int64_t S, int64_t Dk, int64_t Dv, float *o,
-               int threads, float *d) {
+               int threads, float *d, const int64_t *base, const float *pk, const float *pd,
+               const float *pa, const int64_t *pn, int64_t P) {
     if (Dv % 16 != 0 || Dv > 256 || S > 64) return -1;
+    int pending = 0;
+    for (int64_t r = 0; pn && r < B; r++) {
+        if (pn[r] < 0 || pn[r] > P) return -1;
+        pending |= pn[r] > 0;
+    }
+    const int scratch = S > 1 || pending;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *cur = S > 1 ? aligned_alloc(64, (size_t)(Dk * 128) * sizeof(float)) : NULL;
-        if (S > 1 && !cur) {
+        float *cur = scratch ? aligned_alloc(64, (size_t)(Dk * 128) * sizeof(float)) : NULL;
+        if (scratch && !cur) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t r = 0; r < B; r++)
             for (int64_t h = 0; h < H; h++) {
-                if (S > 1 && !cur) continue;
+                if (scratch && !cur) continue;
                 float *out[64];
                 for (int64_t t = 0; t < S; t++) out[t] = states + dst[r * S + t] + h * Dk * Dv;
-                const int64_t x = (r * H + h) * S;
+                const int64_t x = (r * H + h) * S, y = (r * H + h) * P;
+                Pending pend = {NULL, NULL, NULL, NULL, 0};
+                if (pn && pn[r] > 0)
+                    pend = (Pending){states + base[r] + h * Dk * Dv, pk + y * Dk, pd + y * Dv,
+                                     pa + y, pn[r]};
                 head(q + x * Dk, k + x * Dk, v + x * Dv, a + x, b + x,
                      states + src[r] + h * Dk * Dv, out, S, Dk, Dv, o + x * Dv, cur,
-                     d ? d + x * Dv : NULL);
+                     d ? d + x * Dv : NULL, &pend);
             }
         free(cur);
     }
