@@ -99,9 +99,7 @@ class StateCache:
         self.unsettled = None
         rows = tuple(u.slots.tolist())
         self._settle(set(rows))  # (a pass of these rows has taken theirs)
-        count = torch.where((kept >= 0) & (kept < u.factors.shape[2] - 1), kept + 1, 0)
-        # (rows with nothing to write among them, 0: no host read to leave them out)
-        self.pending[rows] = Pending(u, kept, count.to(torch.int64).contiguous())
+        self.pending[rows] = Pending(u, kept)
 
     def take(self, slots: Tensor) -> native.Pending | None:
         """For a pass of our kernel over `slots`: the deferred write of these rows, which the
@@ -114,8 +112,11 @@ class StateCache:
         self._settle(set(rows))
         if p is None:
             return None
-        u = p.window
-        return u.src, u.k, u.factors, u.decay, p.positions
+        u, kept = p
+        # positions the committed state has of the window where the pass did not write it
+        # (0 for the rest: no host read to leave them out)
+        count = torch.where((kept >= 0) & (kept < u.factors.shape[2] - 1), kept + 1, 0)
+        return u.src, u.k, u.factors, u.decay, count.to(torch.int64).contiguous()
 
     def settle_pending(self, slots: Tensor | None = None) -> None:
         """The deferred writes of `slots` (every slot's, when None) made now, for a reader
@@ -232,13 +233,11 @@ def commit(index: Tensor, ring: int, slots: Tensor, n: Tensor) -> None:
 
 
 class Pending(NamedTuple):
-    """A commit's deferred write (`StateCache.defer`): the window it came from, the
-    position each of its rows keeps ([rows], -1: none) and how many of the window's
-    positions that is where the state is not written yet ([rows] int64, else 0)."""
+    """A commit's deferred write (`StateCache.defer`): the window it came from and the
+    position each of its rows keeps ([rows], -1: none)."""
 
     window: Unsettled
     kept: Tensor
-    positions: Tensor
 
 
 class Unsettled:
