@@ -427,10 +427,9 @@ def test_timed_counts_each_kernel_call_and_leaves_the_kernels_as_they_were() -> 
 
 @needs_vnni
 @pytest.mark.parametrize("v_dim", [48, 64, 256])  # the kernel's chunks: 16, 64, 128 columns
-def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_bit(
-        v_dim: int) -> None:
-    """`StateCache.delta_rule_last` writes only the state after a window's last position; the
-    commit's `settle` rebuilds the one it keeps from the committed state and the window's
+def test_a_window_that_writes_no_state_settles_the_kept_one_bit_for_bit(v_dim: int) -> None:
+    """`StateCache.delta_rule_window` writes none of a window's states; the commit's `settle`
+    rebuilds the one it keeps, the last included, from the committed state and the window's
     factors: the bits `delta_rule` writes for that position, the outputs the same, nothing
     else of the ring touched."""
     from engine.cache.state import StateCache
@@ -451,18 +450,17 @@ def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_
     want = native.delta_rule(q, k, v, decay, beta, every, src, dst)
     assert want is not None
     entries = (index[slots, None] + torch.arange(1, width + 1)) % ring  # [rows, positions]
-    for kept in ([0, 2], [1, 3], [3, 0], [2, 1]):
+    for kept in ([0, 2], [1, 3], [3, 0], [2, 1], [3, 3]):
         cache.state.copy_(start)
-        out = cache.delta_rule_last(q, k, v, decay, beta, slots)
+        out = cache.delta_rule_window(q, k, v, decay, beta, slots)
         assert out is not None and torch.equal(out, want) and cache.unsettled is not None
-        last = cache.state[slots, entries[:, -1]]
-        assert torch.equal(last, every[slots, entries[:, -1]])  # written by the pass itself
+        assert torch.equal(cache.state, start)  # the pass wrote no state
         cache.settle(slots[[1, 0]], torch.tensor(kept[::-1]))  # rows matched by slot
         assert cache.unsettled is None
         for row, n in enumerate(kept):
             slot, entry = slots[row], entries[row, n]
             assert torch.equal(cache.state[slot, entry], every[slot, entry]), (kept, row)
-            untouched = [e for e in range(ring) if e not in (int(entry), int(entries[row, -1]))]
+            untouched = [e for e in range(ring) if e != int(entry)]
             assert torch.equal(cache.state[slot, untouched], start[slot, untouched])
         assert torch.equal(cache.state[1], start[1])  # a slot not in the window
 
@@ -472,11 +470,11 @@ def test_a_window_that_writes_its_last_state_alone_settles_the_kept_one_bit_for_
 @pytest.mark.parametrize("width", [4, 1])  # the next pass: a verify window, a plain step
 def test_a_deferred_settle_made_by_the_next_pass_gives_the_settles_bits(
         v_dim: int, width: int) -> None:
-    """A commit that keeps a position before its window's last defers the state's write
-    (`StateCache.defer`); the next pass of the same rows makes it as it reads it: its
-    outputs, the committed state it writes and the state after its last position are the
-    bits of a settle followed by the pass, for every kept position (none pending for the
-    last); a pass of other rows, or any other reader, has it settled first."""
+    """A commit defers the write of the state it keeps (`StateCache.defer`); the next pass
+    of the same rows makes it as it reads it: its outputs and the committed state it writes
+    (and a plain step's state after its position) are the bits of a settle followed by the
+    pass, for every kept position, the window's last included; a pass of other rows, or any
+    other reader, has it settled first."""
     from engine.cache.state import StateCache, commit
 
     gen = torch.Generator().manual_seed(11)
@@ -495,7 +493,7 @@ def test_a_deferred_settle_made_by_the_next_pass_gives_the_settles_bits(
         index = torch.tensor([1, 0, 4])
         cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
         cache.state.copy_(start)
-        assert cache.delta_rule_last(*first, slots) is not None
+        assert cache.delta_rule_window(*first, slots) is not None
         u, n = cache.unsettled, torch.tensor(kept)
         assert u is not None
         if deferred:
@@ -507,7 +505,7 @@ def test_a_deferred_settle_made_by_the_next_pass_gives_the_settles_bits(
         pending = cache.take(slots) if deferred else None
         assert not cache.pending
         if width > 1:
-            out = cache.delta_rule_last(*second, slots, pending)
+            out = cache.delta_rule_window(*second, slots, pending)
         else:
             src, dst = cache.state_offsets(slots, width)
             out = native.delta_rule(*second, cache.state, src, dst, pending=pending)
@@ -521,7 +519,7 @@ def test_a_deferred_settle_made_by_the_next_pass_gives_the_settles_bits(
         index = torch.tensor([1, 0, 4])  # and for any other reader, settled first
         other = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, index, torch.float32)
         other.state.copy_(start)
-        assert other.delta_rule_last(*first, slots) is not None and other.unsettled is not None
+        assert other.delta_rule_window(*first, slots) is not None and other.unsettled is not None
         other.defer(other.unsettled.kept(slots, torch.tensor(kept)))
         commit(index, ring, slots, torch.tensor(kept))
         settled = run(kept, False)[0]
@@ -531,7 +529,7 @@ def test_a_deferred_settle_made_by_the_next_pass_gives_the_settles_bits(
     # any of its rows has it made
     cache = StateCache(3, ring, 8, 4, heads, k_dim, v_dim, torch.tensor([1, 0, 4]),
                        torch.float32)
-    assert cache.delta_rule_last(*first, slots) is not None and cache.unsettled is not None
+    assert cache.delta_rule_window(*first, slots) is not None and cache.unsettled is not None
     cache.defer(cache.unsettled.kept(slots, torch.tensor([0, 1])))
     assert cache.take(torch.tensor([1])) is None and list(cache.pending) == [(2, 0)]
     cache.settle_pending(torch.tensor([1]))

@@ -120,14 +120,16 @@ class Caches:
 
     def commit(self, slots: Tensor, n: Tensor) -> None:
         """Commit each slot's recurrent state after position n [B] of the last pass."""
-        kept: tuple[Tensor, Tensor] | None = None  # a pass's rows (its layers share them), kept
+        # a pass's rows (its layers share them), the position each keeps, and kept + 1
+        kept: tuple[Tensor, Tensor, Tensor] | None = None
         for cache in self.states():
             u = cache.unsettled
             if u is None:  # nothing of this layer to settle
                 continue
             if kept is None or kept[0] is not u.slots:
-                kept = (u.slots, u.kept(slots, n))
-            cache.defer(kept[1])
+                at = u.kept(slots, n)
+                kept = (u.slots, at, at + 1)
+            cache.defer(kept[1], kept[2])
         commit(self.state_index, self.snapshots, slots, n)
         self.offsets.forget()
 

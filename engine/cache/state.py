@@ -6,11 +6,11 @@ a ring of R = width + 1 states per layer (width: the widest verify, k_max + 1). 
 names the committed one. A pass that runs S positions writes the state after each of them
 (or, for a prefill chunk, only after its last) into the ring entries after the committed one,
 never over it; the step then commits the state after the accepted position by moving the
-index (`commit`): a pick, and no copy. On the CPU our kernel writes only the state after a
-verify window's last position and keeps each position's factor; the commit defers the
-write of the state after the kept position, where it is another, to the next pass, which
-makes it from the state the window read and those factors as it reads it (`Pending`: the
-same bits; one state read where a settle after the commit and the pass read two), or, for
+index (`commit`): a pick, and no copy. On the CPU our kernel writes no state of a verify
+window and keeps each position's factor; the commit defers the write of the state after
+the kept position to the next pass, which makes it from the state the window read and
+those factors as it reads it (`Pending`: the same bits; one state read and one written a
+step, as a plain step's, where the window's own write and a settle made more), or, for
 any other reader, `settle` writes it first. One entry more than the k_max + 1
 snapshots a verify makes: the committed state must survive the pass that reads it, so that a
 pass can be run again (the invariance probe does) and nothing is copied at commit.
@@ -55,20 +55,21 @@ class StateCache:
 
         self.conv, self.state = states(ring)
         self.saved_conv, self.saved_state = states(saved)
-        # The last window's pass when it wrote only the state after its last position
-        # (`delta_rule_last`): `settle` writes the one a commit keeps, if another.
+        # The last window's pass, which wrote no state (`delta_rule_window`): `settle`
+        # writes the one a commit keeps.
         self.unsettled: Unsettled | None = None
         # Commits' writes of the states they keep, put off to the next pass (`defer`), by the
         # slots of the pass that made them.
         self.pending: dict[tuple[int, ...], Pending] = {}
 
-    def delta_rule_last(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor,
-                        slots: Tensor, pending: native.Pending | None = None) -> Tensor | None:
-        """`native.delta_rule` over a verify window of `slots` that writes only the state after
-        its last position (one write of every head's state where `delta_rule` makes S) and
-        keeps each position's factor d_t [B, H, S, Dv], from which `settle` writes the state
-        after the position the commit keeps. The output, or None where the kernel does not
-        take these tensors (eager CPU passes only)."""
+    def delta_rule_window(self, q: Tensor, k: Tensor, v: Tensor, decay: Tensor,
+                          beta: Tensor, slots: Tensor, pending: native.Pending | None = None
+                          ) -> Tensor | None:
+        """`native.delta_rule` over a verify window of `slots` that writes none of the states
+        after its positions (`delta_rule` writes S) and keeps each position's factor d_t
+        [B, H, S, Dv], from which the next pass (`defer`) or `settle` writes the state after
+        the position the commit keeps. The output, or None where the kernel does not take
+        these tensors (eager CPU passes only)."""
         if torch.compiler.is_compiling():  # a compiled pass writes every state
             return None
         k, decay = k.float().contiguous(), decay.float().contiguous()  # as the kernel reads
@@ -88,18 +89,19 @@ class StateCache:
             u.settle(self.state, u.kept(slots, n) if kept is None else kept)
             self.unsettled = None
 
-    def defer(self, kept: Tensor) -> None:
+    def defer(self, kept: Tensor, count: Tensor | None = None) -> None:
         """What `settle` would write for a commit keeping position kept [rows] of the last
         pass's rows (`Unsettled.kept`), left to the next pass of the same rows (`take`) or
         to whatever reads their states first (`settle_pending`). Each set of rows keeps its
-        own: a batch's slots stepping by turns (a benchmark's modes) each make theirs."""
+        own: a batch's slots stepping by turns (a benchmark's modes) each make theirs.
+        `count`: kept + 1, where the caller has it (the layers of a pass share it)."""
         u = self.unsettled
         if u is None:
             return
         self.unsettled = None
         rows = tuple(u.slots.tolist())
         self._settle(set(rows))  # (a pass of these rows has taken theirs)
-        self.pending[rows] = Pending(u, kept)
+        self.pending[rows] = Pending(u, kept, kept + 1 if count is None else count)
 
     def take(self, slots: Tensor) -> native.Pending | None:
         """For a pass of our kernel over `slots`: the deferred write of these rows, which the
@@ -112,11 +114,7 @@ class StateCache:
         self._settle(set(rows))
         if p is None:
             return None
-        u, kept = p
-        # positions the committed state has of the window where the pass did not write it
-        # (0 for the rest: no host read to leave them out)
-        count = torch.where((kept >= 0) & (kept < u.factors.shape[2] - 1), kept + 1, 0)
-        return u.src, u.k, u.factors, u.decay, count.to(torch.int64).contiguous()
+        return p.window.src, p.window.k, p.window.factors, p.window.decay, p.applied
 
     def settle_pending(self, slots: Tensor | None = None) -> None:
         """The deferred writes of `slots` (every slot's, when None) made now, for a reader
@@ -238,11 +236,12 @@ class Pending(NamedTuple):
 
     window: Unsettled
     kept: Tensor
+    applied: Tensor  # kept + 1: how many of the window's positions the committed state has
 
 
 class Unsettled:
-    """A verify window's delta rule that wrote only the state after its last position
-    (`StateCache.delta_rule_last`): what `settle` needs to write the state after another."""
+    """A verify window's delta rule that wrote none of its states
+    (`StateCache.delta_rule_window`): what `settle` needs to write the state after one."""
 
     __slots__ = ("decay", "dst", "factors", "k", "slots", "src")
 
@@ -260,8 +259,7 @@ class Unsettled:
 
     def settle(self, states: Tensor, kept: Tensor) -> None:
         """The state after position kept[row] of each of this window's rows that keeps one
-        before its last (`kept`), written into its ring entry by deltanet.c `delta_settle`,
-        bit for bit what writing every position would have put there; the kernel skips the
-        other rows."""
+        (`kept`), written into its ring entry by deltanet.c `delta_settle`, bit for bit what
+        writing every position would have put there; the kernel skips the other rows."""
         native.kernels().run_delta_settle(self.k, self.factors, self.decay, states, self.src,
                                           self.dst, kept)

@@ -148,8 +148,8 @@ class GatedDeltaNet(nn.Module):
         cache.unsettled = None  # this pass writes the ring entries after the committed one
         pending = cache.take(batch.slots)  # the committed states a commit left unwritten
         out: Tensor | None
-        if seqlen > 1:  # a verify window: the state after its last position alone
-            out = cache.delta_rule_last(q, k, v, decay, beta, batch.slots, pending)
+        if seqlen > 1:  # a verify window: no state written, the commit's deferred
+            out = cache.delta_rule_window(q, k, v, decay, beta, batch.slots, pending)
         else:
             src, dst = cache.kernel_offsets(batch.slots, seqlen)
             out = native.delta_rule(q, k, v, decay, beta, cache.state, src, dst,

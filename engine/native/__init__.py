@@ -335,13 +335,13 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor, sta
     """`deltanet.recurrent` over q, k [B, H, S, Dk], v [B, H, S, Dv], decay (a_t, not its
     log), beta [B, H, S], each row's state at element offset src [B] of `states` (fp32,
     contiguous: the cache's ring), the state after each position to dst [B, S] (with d, eager
-    only: the last's, and each position's factor into d [B, H, S, Dv]; with `pending`, eager
+    only: none, and each position's factor into d [B, H, S, Dv]; with `pending`, eager
     only: committed states made first from an earlier window's factors: deltanet.c). Returns
     o [B, H, S, Dv]; None for shapes it does not take."""
     if not (states.dtype == torch.float32 and states.is_contiguous() and v.shape[-1] % 16 == 0
             and v.shape[-1] <= 256 and q.shape[2] <= 64):
         return None
-    if torch.compiler.is_compiling():  # (never with d: see StateCache.delta_rule_last)
+    if torch.compiler.is_compiling():  # (never with d: see StateCache.delta_rule_window)
         return torch.ops.ahead.delta_rule(q, k, v, decay, beta, states, src, dst)
     return kernels().run_delta_rule(q, k, v, decay, beta, states, src, dst, d, pending)
 

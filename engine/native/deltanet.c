@@ -122,9 +122,11 @@ INLINE void positions(const float *q, const float *k, const float *v, const floa
         float *next = dst[t] + j0;
         const int stream = ((uintptr_t)next & 63) == 0;
         const float *kt = k + t * Dk, *qt = q + t * Dk;
-        if (t + 1 < S && dout)  /* only the last position's state is kept */
+        if (t + 1 < S && dout)  /* no state of a window with factors is kept */
             update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, acc, Dk, nb, 1, 0,
                    0);
+        else if (dout)
+            update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt, acc, Dk, nb, 0, 0, 0);
         else if (t + 1 < S && stream)
             update(prev, ps, next, Dv, cur, kt, qt, a[t], d, out, kt + Dk, acc, Dk, nb, 1, 1,
                    1);
@@ -212,10 +214,12 @@ static void head(const float *q, const float *k, const float *v, const float *a,
 /* q, k [B, H, S, Dk], v [B, H, S, Dv], a, b [B, H, S] (fp32, contiguous); states: the ring
    of states, a head's [Dk, Dv] at offset src[row] + h*Dk*Dv for the committed one of row
    `row` and dst[row*S + t] + h*Dk*Dv for the one after its position t. o [B, H, S, Dv].
-   With d (else NULL), [B, H, S, Dv]: only the state after the last position is written,
-   and each position's d_t into d, from which `delta_settle` rebuilds the state after any
-   of them (a verify window writes one state where it wrote S: Qwen3.5-2B's 18 layers write
-   18 MB a state).
+   With d (else NULL), [B, H, S, Dv]: no state after a position is written, only each
+   position's d_t into d, from which `delta_settle`, or the next pass as its pending
+   positions, makes the state after whichever one a commit keeps (a verify window writes
+   no state where it wrote S: Qwen3.5-2B's 18 layers write 18 MB a state, by streaming
+   stores that one thread made at ~8 GB/s on the AMX Xeon: 18 windows of 4 positions with
+   two pending, 5.3 -> 3.7 ms when the last state was no longer written).
    With pn (else NULL): the committed states of rows with pn[row] > 0 are not written yet
    (a commit deferred its settle, see cache/state.py): such a row's pass reads the state at
    offset base[row] and first applies positions 0 .. pn[row] - 1 of the earlier window's
@@ -265,7 +269,7 @@ int delta_rule(const float *q, const float *k, const float *v, const float *a,
 }
 
 /* After a pass with d (`delta_rule`): the state after position n[row] of each row where
-   0 <= n[row] < S - 1 (the last position's was written), rebuilt from the committed one at
+   0 <= n[row] < S (the pass wrote none), rebuilt from the committed one at
    src[row] into dst[row*S + n[row]] (offsets as delta_rule's) by the pass's own factors:
    S_t = k_t d_t^T + a_t S_{t-1} element by element, the same operations in the same order as
    the pass made them, so the same bits. k [B, H, S, Dk], d [B, H, S, Dv] (Dv a multiple of
@@ -277,7 +281,7 @@ void delta_settle(const float *k, const float *d, const float *a, float *states,
     for (int64_t r = 0; r < B; r++)
         for (int64_t h = 0; h < H; h++) {
             const int64_t last = n[r];
-            if (last < 0 || last >= S - 1) continue;
+            if (last < 0 || last >= S) continue;
             const int64_t x = (r * H + h) * S;
             const float *s0 = states + src[r] + h * Dk * Dv;
             float *out = states + dst[r * S + last] + h * Dk * Dv;
