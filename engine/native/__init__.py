@@ -10,7 +10,8 @@ flags and the compiler), then loaded with ctypes: no build step at install, unde
 to compile, and a machine without a compiler or without VNNI runs torch's kernels instead
 (`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the CPU also has
 AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`); where
-it has AMX-INT8, products of many rows run on its tiles (`amx`, wq.c; `AHEAD_AMX=0`: not).
+it has AMX-INT8, products of many rows run on its tiles (`amx`, wq.c), and with AMX-BF16 as
+well, attention's bf16 scores (`amx_bf16`, attention.c; `AHEAD_AMX=0`: neither).
 Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
 soname), as many threads as `torch.get_num_threads()`.
 """
@@ -80,6 +81,8 @@ class Kernels:
         self.bf16_dot = "avx512_bf16" in flags
         self.amx = "amx_int8" in flags and os.environ.get("AHEAD_AMX", "1") != "0" \
             and lib.wq_amx_enable() == 1  # Linux grants the tile state
+        # attention's bf16 scores on AMX tiles (attention.c scores_amx), where bf16_dot runs
+        self.amx_bf16 = self.amx and "amx_bf16" in flags
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
         delta.argtypes = [ptr] * 8 + [i64] * 5 + [ptr, ctypes.c_int, ptr]
@@ -138,9 +141,16 @@ class Kernels:
                            k.shape[2], positions.data_ptr(), out.data_ptr(),
                            int(k.dtype == torch.bfloat16), dim ** -0.5 if scale is None else scale,
                            window, ring, torch.get_num_threads(),
-                           int(self.bf16_dot and q.dtype == torch.bfloat16)) != 0:
+                           self._dot(q)) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    def _dot(self, q: Tensor) -> int:
+        """How attention scores bf16 queries: 0 as fp32, 1 by AVX512-BF16 dot products, 2 on
+        AMX-BF16 tiles."""
+        if not (self.bf16_dot and q.dtype == torch.bfloat16):
+            return 0
+        return 2 if self.amx_bf16 else 1
 
     def run_kv_write(self, cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
                      slots: Tensor, at: Tensor) -> bool:
