@@ -207,9 +207,10 @@ def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
         dtype: torch.dtype, dot: bool, amx: bool, dim: int, heads: tuple[int, int],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The ways of scoring bf16 keys: converted to fp32, by bf16 dot products where the CPU
-    has them (AVX512-BF16), and on AMX-BF16 tiles. A row alone (3, 6 or 12 query rows a kv
-    head) and among 4 positions (12 rows, 24: AMX's tiles of 16 and 8, or 48: tiles of 32
-    and 16), scored 4, 2 and 1 rows at a time, their values 6, 4, 2 and 1: the same bits.
+    has them (AVX512-BF16), and on AMX-BF16 tiles (the values too). A row alone (3, 6 or 12
+    query rows a kv head) and among 4 positions (12 rows, 24: AMX's tiles of 16 and 8, or
+    48: tiles of 32 and 16), scored 4, 2 and 1 rows at a time, their values 6, 4, 2 and 1:
+    the same bits.
     And q as a projection makes it ([B, S, H, D] seen as [B, H, S, D]): the same bits,
     written in that layout."""
     from engine.model.attention import masked_attention

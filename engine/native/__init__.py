@@ -11,7 +11,7 @@ to compile, and a machine without a compiler or without VNNI runs torch's kernel
 (`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the CPU also has
 AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`); where
 it has AMX-INT8, products of many rows run on its tiles (`amx`, wq.c), and with AMX-BF16 as
-well, attention's bf16 scores (`amx_bf16`, attention.c; `AHEAD_AMX=0`: neither).
+well, a bf16 attention's scores and values (`amx_bf16`, attention.c; `AHEAD_AMX=0`: neither).
 Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
 soname), as many threads as `torch.get_num_threads()`.
 """
@@ -81,7 +81,7 @@ class Kernels:
         self.bf16_dot = "avx512_bf16" in flags
         self.amx = "amx_int8" in flags and os.environ.get("AHEAD_AMX", "1") != "0" \
             and lib.wq_amx_enable() == 1  # Linux grants the tile state
-        # attention's bf16 scores on AMX tiles (attention.c scores_amx), where bf16_dot runs
+        # a bf16 attention on AMX tiles (attention.c scores_amx, values_amx) where bf16_dot runs
         self.amx_bf16 = self.amx and "amx_bf16" in flags
         delta = lib.delta_rule
         delta.restype = ctypes.c_int
@@ -146,8 +146,8 @@ class Kernels:
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _dot(self, q: Tensor) -> int:
-        """How attention scores bf16 queries: 0 as fp32, 1 by AVX512-BF16 dot products, 2 on
-        AMX-BF16 tiles."""
+        """How attention takes bf16 queries: 0 as fp32, 1 scored by AVX512-BF16 dot products,
+        2 scored and its values summed on AMX-BF16 tiles."""
         if not (self.bf16_dot and q.dtype == torch.bfloat16):
             return 0
         return 2 if self.amx_bf16 else 1

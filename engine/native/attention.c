@@ -2,10 +2,13 @@
 keys 0..pos, softmax(q k^T / sqrt(D)) v, in fp32 whatever the cache's dtype; where queries
 and keys are bf16 and the CPU has AVX512-BF16, the scores sum the exact products of their
 bf16 values by VDPBF16PS (half the instructions, no key converted: a 4-position verify's
-attention ~1.5x faster on Qwen2-1.5B's and Qwen3.5-2B's shapes), and where it has AMX-BF16
-as well, on its tiles by TDPBF16PS (`scores_amx`: one thread, 512 keys, Qwen2-1.5B's 28
-layers 4.30 -> 3.00 ms at 4 positions and 1.64 -> 1.46 at one, Qwen3.5-2B's 7 at 4
-positions 1.37 -> 0.97; over 2,000 keys Qwen2-1.5B's 4 positions 17.6 -> 11.4).
+attention ~1.5x faster on Qwen2-1.5B's and Qwen3.5-2B's shapes). Where it has AMX-BF16 as
+well, the scores and the values both run on its tiles by TDPBF16PS (`scores_amx`,
+`values_amx`: the probabilities then rounded to bf16, as torch's bf16 attention rounds
+them). One thread, 512 keys, against VDPBF16PS scores and fp32 values: Qwen2-1.5B's 28
+layers 4.20 -> 2.05 ms at 4 positions and 1.66 -> 1.41 at one, Qwen3.5-2B's 7 at 4
+positions 1.41 -> 0.70; over 2,000 keys Qwen2-1.5B's 4 positions 15.6 -> 6.5 (the scores
+alone on tiles: 4.30 -> 3.00, 1.64 -> 1.46, 17.6 -> 11.4).
 
 Why: torch's bf16 batched matmul on the CPU copies the keys it reads (the cache is a strided
 view) and is slow for these shapes: a decode step of Qwen2-1.5B's shapes spent more in
@@ -206,6 +209,96 @@ __attribute__((target("amx-tile,amx-bf16"))) static void scores_amx(
     }
     _tile_release();
 }
+
+/* The values of a tile on AMX-BF16 tiles (where `scores_amx` runs): out[r] = sum over keys
+   of p[r][t] v[t] / sum p. Each row's probabilities rounded to bf16 (as torch's bf16
+   attention rounds them) into A tiles of 32 keys, zero outside the row's keys lo..n-1;
+   the values of each pair of keys interleaved once into B tiles (unpacklo/hi of 32 columns:
+   a column's lane permuted within 128 bits, put back at the store); TDPBF16PS sums 32 keys
+   an instruction for up to 16 rows. Blocks of keys start at multiples of 32 (of positions,
+   in a ring too), so a row's sums run over the same pairs and blocks in the same order
+   whatever rows share its tile (the other rows' keys enter it times 0). pa: scratch for
+   MAX_TILE rows of `aw` bf16 probabilities; bt: 2 KB. */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void values_amx(
+        float *const *p, const float *inv, const int64_t *lo, const int64_t *n, int rows,
+        const uint16_t *v, int64_t D, int64_t ring, void *const *out, int obf16,
+        int64_t first, int64_t longest, uint16_t *pa, int64_t aw, uint8_t *bt) {
+    const int64_t t_start = first & ~(int64_t)31, t_end = (longest + 31) & ~(int64_t)31;
+    for (int r = 0; r < rows; r++) {  /* row r's probabilities of keys t_start.. as bf16 */
+        uint16_t *a = pa + r * aw;
+        for (int64_t t = t_start; t < t_end; t += 16) {
+            const int64_t from = lo[r] > t ? lo[r] - t : 0, to = n[r] - t < 16 ? n[r] - t : 16;
+            __mmask16 m = 0;
+            if (to > from) m = (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
+            const __m512 x = _mm512_maskz_loadu_ps(m, p[r] + t);
+            _mm256_storeu_si256((__m256i *)(a + (t - t_start)),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(m, x)));
+        }
+    }
+    TileConfig cfg = {0};
+    const int r0 = rows < 16 ? rows : 16, r1 = rows - r0;
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)r0;  /* C low, C high, A: rows 0..15 */
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)r1;  /* the same for rows 16.. */
+    if (!r1) cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = 0;
+    cfg.rows[6] = cfg.rows[7] = 16;  /* B low, B high: 16 pairs of keys x 16 columns */
+    _tile_loadconfig(&cfg);
+    float c[4][16 * 16] __attribute__((aligned(64)));
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                              22, 23);
+    const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15,
+                                               28, 29, 30, 31);
+    for (int64_t j0 = 0; j0 < D; j0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (r1) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t t0 = t_start; t0 < t_end; t0 += 32) {
+            for (int i = 0; i < 16; i++) {
+                const int64_t t = t0 + 2 * i;
+                if (j0 == 0 && t + AHEAD + 1 < longest) {
+                    fetch_row(v, t + AHEAD, ring, D, 1, 1);
+                    fetch_row(v, t + AHEAD + 1, ring, D, 1, 1);
+                }
+                const __m512i x = t < longest ? _mm512_loadu_si512(
+                    v + (ring ? t % ring : t) * D + j0) : _mm512_setzero_si512();
+                const __m512i y = t + 1 < longest ? _mm512_loadu_si512(
+                    v + (ring ? (t + 1) % ring : t + 1) * D + j0) : _mm512_setzero_si512();
+                _mm512_storeu_si512(bt + 64 * i, _mm512_unpacklo_epi16(x, y));
+                _mm512_storeu_si512(bt + 1024 + 64 * i, _mm512_unpackhi_epi16(x, y));
+            }
+            _tile_loadd(6, bt, 64);
+            _tile_loadd(7, bt + 1024, 64);
+            _tile_loadd(4, pa + (t0 - t_start), aw * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (r1) {
+                _tile_loadd(5, pa + 16 * aw + (t0 - t_start), aw * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (r1) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int g = r < 16 ? 0 : 2, i = r < 16 ? r : r - 16;
+            const __m512 lo16 = _mm512_load_ps(c[g] + 16 * i), hi16 = _mm512_load_ps(c[g + 1] + 16 * i);
+            const __m512 scale = _mm512_set1_ps(inv[r]);
+            store16(out[r], j0, _mm512_mul_ps(_mm512_permutex2var_ps(lo16, first16, hi16), scale),
+                    0xffff, obf16);
+            store16(out[r], j0 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo16, second16, hi16),
+                                                   scale), 0xffff, obf16);
+        }
+    }
+    _tile_release();
+}
 #endif
 
 /* Scores of RB query rows from r0 (q: rows of D floats, already times the scale) against
@@ -304,7 +397,8 @@ static inline __attribute__((always_inline)) void value_rows(
 static void attend_tile(const float *q, const uint16_t *qb, float scale, const int64_t *lo,
                         const int64_t *n, const int rows, const void *k, const void *v,
                         int64_t D, int64_t ring, int bf16, float *scores, int64_t stride,
-                        void *const *out, int obf16, float *kbuf, int amx) {
+                        void *const *out, int obf16, float *kbuf, int amx, uint16_t *pa,
+                        int64_t aw) {
     int64_t longest = 0, first = n[0], all_lo = 0, all_n = n[0];
     float *p[MAX_TILE];  /* p[r][t]: row r's probability of key t */
     for (int r = 0; r < rows; r++) {
@@ -359,6 +453,13 @@ static void attend_tile(const float *q, const uint16_t *qb, float scale, const i
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(sum16);
     }
+#ifdef ATT_AMX
+    if (qb && amx) {
+        values_amx(p, inv, lo, n, rows, (const uint16_t *)v, D, ring, out, obf16, first, longest,
+                   pa, aw, (uint8_t *)kbuf);
+        return;
+    }
+#endif
     int r0 = 0;
     for (; r0 + 6 <= rows; r0 += 6)
         value_rows(p, inv, r0, 6, lo, n, first, longest, all_lo, all_n, v, D, ring, bf16, out,
@@ -402,8 +503,9 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         /* a tile's scores, and its queries times the scale (or as they are, in bf16) */
+        const int64_t aw = kv_len + 96;  /* a row's bf16 probabilities (values_amx) */
         float *scores = malloc(sizeof(float) * (size_t)((kv_len + 32 + D) * MAX_TILE + 16 * D)
-                               + sizeof(uint16_t) * (size_t)(MAX_TILE * D));
+                               + sizeof(uint16_t) * (size_t)(MAX_TILE * (D + aw)));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -411,6 +513,7 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
         float *scaled = scores ? scores + (kv_len + 32) * MAX_TILE : NULL;
         float *kbuf = scores ? scaled + D * MAX_TILE : NULL;  /* a block's keys, fp32 */
         uint16_t *qb = scores ? (uint16_t *)(kbuf + 16 * D) : NULL;  /* queries, bf16 */
+        uint16_t *pa = qb ? qb + MAX_TILE * D : NULL;  /* probabilities, bf16 (values_amx) */
 #pragma omp for schedule(static) collapse(3)
         for (int64_t b = 0; b < B; b++)
             for (int64_t hk = 0; hk < Hkv; hk++)
@@ -452,7 +555,8 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
                     }
                     if (rows)
                         attend_tile(scaled, dot ? qb : NULL, scale, los, ns, rows, kh, vh, D,
-                                    ring, bf16, scores, kv_len + 32, outs, qbf16, kbuf, amx);
+                                    ring, bf16, scores, kv_len + 32, outs, qbf16, kbuf, amx, pa,
+                                    aw);
                 }
         free(scores);
     }
