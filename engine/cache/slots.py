@@ -120,16 +120,14 @@ class Caches:
 
     def commit(self, slots: Tensor, n: Tensor) -> None:
         """Commit each slot's recurrent state after position n [B] of the last pass."""
-        # a pass's rows (its layers share them), the position each keeps, and kept + 1
-        kept: tuple[Tensor, Tensor, Tensor] | None = None
+        kept: tuple[Tensor, Tensor] | None = None  # a pass's rows (its layers share them), kept
         for cache in self.states():
             u = cache.unsettled
             if u is None:  # nothing of this layer to settle
                 continue
             if kept is None or kept[0] is not u.slots:
-                at = u.kept(slots, n)
-                kept = (u.slots, at, at + 1)
-            cache.defer(kept[1], kept[2])
+                kept = (u.slots, u.kept(slots, n))
+            cache.defer(kept[1])
         commit(self.state_index, self.snapshots, slots, n)
         self.offsets.forget()
 

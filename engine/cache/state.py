@@ -89,19 +89,18 @@ class StateCache:
             u.settle(self.state, u.kept(slots, n) if kept is None else kept)
             self.unsettled = None
 
-    def defer(self, kept: Tensor, count: Tensor | None = None) -> None:
+    def defer(self, kept: Tensor) -> None:
         """What `settle` would write for a commit keeping position kept [rows] of the last
         pass's rows (`Unsettled.kept`), left to the next pass of the same rows (`take`) or
         to whatever reads their states first (`settle_pending`). Each set of rows keeps its
-        own: a batch's slots stepping by turns (a benchmark's modes) each make theirs.
-        `count`: kept + 1, where the caller has it (the layers of a pass share it)."""
+        own: a batch's slots stepping by turns (a benchmark's modes) each make theirs."""
         u = self.unsettled
         if u is None:
             return
         self.unsettled = None
         rows = tuple(u.slots.tolist())
         self._settle(set(rows))  # (a pass of these rows has taken theirs)
-        self.pending[rows] = Pending(u, kept, kept + 1 if count is None else count)
+        self.pending[rows] = Pending(u, kept)
 
     def take(self, slots: Tensor) -> native.Pending | None:
         """For a pass of our kernel over `slots`: the deferred write of these rows, which the
@@ -114,7 +113,8 @@ class StateCache:
         self._settle(set(rows))
         if p is None:
             return None
-        return p.window.src, p.window.k, p.window.factors, p.window.decay, p.applied
+        u = p.window  # the committed state has positions 0..kept of it (none: kept = -1)
+        return u.src, u.k, u.factors, u.decay, p.kept + 1
 
     def settle_pending(self, slots: Tensor | None = None) -> None:
         """The deferred writes of `slots` (every slot's, when None) made now, for a reader
@@ -236,7 +236,6 @@ class Pending(NamedTuple):
 
     window: Unsettled
     kept: Tensor
-    applied: Tensor  # kept + 1: how many of the window's positions the committed state has
 
 
 class Unsettled:

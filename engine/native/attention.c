@@ -78,6 +78,25 @@ static inline __m512 sum16(const __m512 *a) {
                                                    3, 7, 11, 15), e);
 }
 
+/* The rows of keys t0 .. t0 + 15 (entry t mod ring in a ring); past the last of them (nk),
+   any key, whose scores are not stored. */
+static inline void block_keys(const uint16_t *k, int64_t D, int64_t ring, int64_t t0,
+                              int64_t nk, const uint16_t **key) {
+    for (int u = 0; u < 16; u++) {
+        const int64_t t = t0 + (u < nk ? u : 0);
+        key[u] = k + (ring ? t % ring : t) * D;
+    }
+}
+
+/* Row r's scores of the nk keys from t0 (sums, lane u: key t0 + u) that it sees, lo[r] ..
+   n[r] - 1, into scores[r * stride + t - lo[r]]. */
+static inline void store_scores(__m512 sums, int r, int64_t t0, int64_t nk, const int64_t *lo,
+                                const int64_t *n, float *scores, int64_t stride) {
+    const int64_t a = lo[r] > t0 ? lo[r] - t0 : 0, b = n[r] - t0 < nk ? n[r] - t0 : nk;
+    const __mmask16 m = (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+    _mm512_mask_storeu_ps(scores + r * stride + t0 - lo[r], m, sums);
+}
+
 /* The scores of `rows` query rows against keys first..longest-1 by bf16 dot products
    (VDPBF16PS, fp32 sums of pairs of exact bf16 products): qb holds each row's query as the
    model made it (bf16, not yet scaled), k the cache's bf16 keys. 16 keys at a time, a row's
@@ -92,10 +111,7 @@ __attribute__((target("avx512bf16"))) static void scores_bf16(
     for (int64_t t0 = first; t0 < longest; t0 += 16) {
         const int64_t nk = longest - t0 < 16 ? longest - t0 : 16;
         const uint16_t *key[16];
-        for (int u = 0; u < 16; u++) {
-            const int64_t t = t0 + (u < nk ? u : 0);  /* past the end: any key, not stored */
-            key[u] = k + (ring ? t % ring : t) * D;
-        }
+        block_keys(k, D, ring, t0, nk, key);
         for (int r = 0; r < rows; r++) {
             if (t0 + 15 < lo[r] || t0 >= n[r]) continue;  /* none of the row's keys */
             __m512 acc[16];
@@ -106,23 +122,12 @@ __attribute__((target("avx512bf16"))) static void scores_bf16(
                     acc[u] = _mm512_dpbf16_ps(acc[u], qj,
                                               (__m512bh)_mm512_loadu_si512(key[u] + j));
             }
-            const __m512 sums = _mm512_mul_ps(sum16(acc), sc);
-            const int64_t a = lo[r] > t0 ? lo[r] - t0 : 0, b = n[r] - t0 < nk ? n[r] - t0 : nk;
-            const __mmask16 m = (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
-            _mm512_mask_storeu_ps(scores + r * stride + t0 - lo[r], m, sums);
+            store_scores(_mm512_mul_ps(sum16(acc), sc), r, t0, nk, lo, n, scores, stride);
         }
     }
 }
 
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
-#define ATT_AMX 1
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) TileConfig;
-
+#ifdef AMX_INTRINSICS
 /* Dword i of each of x[0..15] into lane u of out[i]: a 16 x 16 transpose of dwords (pairs
    of bf16) by unpacks of dwords, of qwords, then of 128-bit lanes. */
 static inline void transpose16(const __m512i *x, __m512i *out) {
@@ -176,10 +181,7 @@ __attribute__((target("amx-tile,amx-bf16"))) static void scores_amx(
     for (int64_t t0 = first; t0 < longest; t0 += 16) {
         const int64_t nk = longest - t0 < 16 ? longest - t0 : 16;
         const uint16_t *key[16];
-        for (int u = 0; u < 16; u++) {
-            const int64_t t = t0 + (u < nk ? u : 0);  /* past the end: any key, not stored */
-            key[u] = k + (ring ? t % ring : t) * D;
-        }
+        block_keys(k, D, ring, t0, nk, key);
         for (int64_t j = 0; j < D; j += 32) {
             __m512i x[16], y[16];
             for (int u = 0; u < 16; u++) x[u] = _mm512_loadu_si512(key[u] + j);
@@ -201,10 +203,8 @@ __attribute__((target("amx-tile,amx-bf16"))) static void scores_amx(
         if (r1) _tile_stored(1, c + 16 * 16, 64);
         for (int r = 0; r < rows; r++) {
             if (t0 + 15 < lo[r] || t0 >= n[r]) continue;  /* none of the row's keys */
-            const __m512 sums = _mm512_mul_ps(_mm512_load_ps(c + 16 * r), sc);
-            const int64_t a = lo[r] > t0 ? lo[r] - t0 : 0, b = n[r] - t0 < nk ? n[r] - t0 : nk;
-            const __mmask16 m = (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
-            _mm512_mask_storeu_ps(scores + r * stride + t0 - lo[r], m, sums);
+            store_scores(_mm512_mul_ps(_mm512_load_ps(c + 16 * r), sc), r, t0, nk, lo, n, scores,
+                         stride);
         }
     }
     _tile_release();
@@ -289,7 +289,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void values_amx(
         }
         for (int r = 0; r < rows; r++) {
             const int g = r < 16 ? 0 : 2, i = r < 16 ? r : r - 16;
-            const __m512 lo16 = _mm512_load_ps(c[g] + 16 * i), hi16 = _mm512_load_ps(c[g + 1] + 16 * i);
+            const __m512 lo16 = _mm512_load_ps(c[g] + 16 * i);
+            const __m512 hi16 = _mm512_load_ps(c[g + 1] + 16 * i);
             const __m512 scale = _mm512_set1_ps(inv[r]);
             store16(out[r], j0, _mm512_mul_ps(_mm512_permutex2var_ps(lo16, first16, hi16), scale),
                     0xffff, obf16);
@@ -408,7 +409,7 @@ static void attend_tile(const float *q, const uint16_t *qb, float scale, const i
         all_n = n[r] < all_n ? n[r] : all_n;
         p[r] = scores + r * stride - lo[r];
     }
-#ifdef ATT_AMX
+#ifdef AMX_INTRINSICS
     if (qb && amx) {
         scores_amx(qb, lo, n, rows, (const uint16_t *)k, D, ring, scale, scores, stride, first,
                    longest, (uint8_t *)kbuf);
@@ -453,7 +454,7 @@ static void attend_tile(const float *q, const uint16_t *qb, float scale, const i
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(sum16);
     }
-#ifdef ATT_AMX
+#ifdef AMX_INTRINSICS
     if (qb && amx) {
         values_amx(p, inv, lo, n, rows, (const uint16_t *)v, D, ring, out, obf16, first, longest,
                    pa, aw, (uint8_t *)kbuf);

@@ -75,6 +75,17 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_maskz_mov_ps(~tiny, e);
 }
 
+/* Compilers with the AMX intrinsics (wq.c's int8 products, attention.c's bf16 tiles): AMX
+   then, and LDTILECFG's 64-byte configuration (palette 1). */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define AMX_INTRINSICS 1
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+#endif
+
 /* silu(x) = x sigmoid(x), with e^-|x| from the vector exp. */
 static inline __m512 silu16(__m512 x) {
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(),

@@ -264,7 +264,7 @@ static inline __attribute__((always_inline)) void pair_rows(
    `amx_chain`. Against one C tile for every call, 80 weights of 6144 x 2048 by turns, one
    thread: int4 16 rows 55.1 -> 52.7 ms, 64 rows 179.7 -> 164.9; int8 16 rows 102.9 -> 83.6,
    64 rows 201.4 -> 178.0. */
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#ifdef AMX_INTRINSICS
 #define WQ_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -291,12 +291,6 @@ int wq_amx_enable(void) {
 }
 
 #ifdef WQ_AMX
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) TileConfig;
-
 /* Tiles 0-3 (C: mr rows of 16 int32, a group's sums each), 4-5 (A: mr rows of kc
    activation codes), 6-7 (B: kc / 4 rows of 16 outputs x 4 weight codes); kc: 64 inputs,
    or a group of 32. */
