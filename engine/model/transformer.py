@@ -158,11 +158,19 @@ class Transformer(nn.Module):
         """Module i's greedy draft and (`prob`, else None) the softmax's probability of it,
         [B, S] each, from one pass over its logits where our kernels take them (rows.c; the
         drafts' reduced vocabulary scored alone, none of the -inf logits outside it made):
-        what `mtp_logits`, an argmax and a softmax give. None elsewhere."""
+        what `mtp_logits`, an argmax and a softmax give; where the draft head is int4 in our
+        kernels' layout, its coarse pass and candidates (`DraftHead.greedy`). None
+        elsewhere."""
         if self.assistant is not None or not rows.takes_logits(out):
             return None
         module: MTPModule = self.mtp[i]  # type: ignore[assignment]
         x = module.norm(out)
+        if self.draft_head is not None:  # a coarse pass, then its candidates exactly
+            picked = self.draft_head.greedy(x, prob)
+            if picked is not None:
+                index, top, lse = picked
+                tok = self.draft_head.ids[index]
+                return tok, None if lse is None else torch.exp(top - lse)
         _, best = self.head_top(x, None if self.draft_head is None else self.draft_head.rows)
         assert best is not None  # the logits take out's dtype and device, which rows.c takes
         index, top, lse = best

@@ -131,3 +131,34 @@ int wq_encode(const void *w, int bf16, int64_t N, int64_t K, int bits, int64_t G
     }
     return 0;
 }
+
+/* A draft head's coarse 2-bit layout (wq.c) from its int4 one, `tiles` x `groups` blocks of G
+   inputs: each int4 code q becomes round(q / 5) (levels 0, 5, 10, 15 of the int4 code:
+   the group's range in four steps) and each scale s, 5 s (as fp16); the offsets stay. The
+   drafts' coarse pass finds candidates by it, which the int4 layout then scores exactly. */
+void wq_coarse_from_int4(const uint8_t *w4, int64_t tiles, int64_t groups, int64_t G,
+                         uint8_t *w2, int threads) {
+    static const uint8_t level[16] = {0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3};
+    const int64_t body4 = G * TILE / 2, body2 = G * TILE / 4, sm = 4 * TILE;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t blk = 0; blk < tiles * groups; blk++) {
+        const uint8_t *in = w4 + blk * (body4 + sm);
+        uint8_t *out = w2 + blk * (body2 + sm);
+        for (int64_t j = 0; j < G / 16; j++)
+            for (int c = 0; c < TILE; c++)
+                for (int b = 0; b < 4; b++) {
+                    uint8_t byte = 0;
+                    for (int i = 0; i < 4; i++) {  /* input 16j + 4i + b: int4 vector 2j + i / 2 */
+                        const uint8_t q = in[64 * (2 * j + i / 2) + 4 * c + b];
+                        byte |= (uint8_t)(level[i % 2 ? q >> 4 : q & 15] << (2 * i));
+                    }
+                    out[64 * j + 4 * c + b] = byte;
+                }
+        const uint16_t *s4 = (const uint16_t *)(in + body4);
+        uint16_t *s2 = (uint16_t *)(out + body2);
+        for (int c = 0; c < TILE; c++) {
+            s2[c] = _cvtss_sh(5.0f * _cvtsh_ss(s4[c]), 0);
+            s2[TILE + c] = s4[TILE + c];
+        }
+    }
+}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine import native
-from engine.native import rows
+from engine.native import pick, rows
 
 # The parts of a step our kernels are, by the functions that call them (`timed`).
 KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention",
@@ -17,6 +17,7 @@ KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention"
                 "run_gdn_gated_norm": "Gated DeltaNet norm"}
 ROW_PARTS = {"_rms_norm": "norms", "_silu_mul": "SwiGLU gate", "_rope": "rotary embeddings",
              "_argmax_lse": "argmax of the logits"}
+PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
 
 
 @contextlib.contextmanager
@@ -52,6 +53,8 @@ def timed() -> Iterator[dict[str, list[float]]]:
             wrap(lib, name, part)
         for name, part in ROW_PARTS.items():
             wrap(rows, name, part)
+        for name, part in PICK_PARTS.items():
+            wrap(pick, name, part)
         yield totals
     finally:
         for owner, name, fn in reversed(swapped):

@@ -21,6 +21,9 @@ group of G inputs), tiles outer:
   int4: G/8 vectors of 64 bytes; lane c (output t*16+c), byte b of vector j holds
         q[k = g*G + 8j + b] in its low nibble and q[k + 4] in its high nibble;
   int8: G/4 vectors of 64 bytes; lane c, byte b of vector j holds q[k = g*G + 4j + b];
+  2-bit (a draft head's coarse pass, made from its int4 layout by encode.c
+        `wq_coarse_from_int4`): G/16 vectors of 64 bytes; bits 2i..2i+1 of byte b, lane c,
+        vector j hold q[k = g*G + 16j + 4i + b];
   then 16 fp16 scales s and 16 fp16 offsets m: w = q s + m.
 */
 #include <immintrin.h>
@@ -28,6 +31,7 @@ group of G inputs), tiles outer:
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vecmath.h"
 
@@ -178,6 +182,28 @@ static inline __attribute__((always_inline)) void tile_rows(
                     acc2[r] = dpbusd_bcast(acc2[r], hi, a + 1);
                 }
             }
+        } else if (bits == 2) {  /* four chains: a vector's four dot products each its own */
+            const __m512i two = _mm512_set1_epi8(0x03);
+            __m512i acc3[MAX_ROWS], acc4[MAX_ROWS];
+            for (int r = 0; r < mr; r++) acc3[r] = acc4[r] = _mm512_setzero_si512();
+            for (int64_t j = 0; j < G / 16; j++) {
+                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L2, _MM_HINT_T1);
+                const __m512i v = _mm512_loadu_si512(p + 64 * j);
+                const __m512i c0 = _mm512_and_si512(v, two);
+                const __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v, 2), two);
+                const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), two);
+                const __m512i c3 = _mm512_and_si512(_mm512_srli_epi16(v, 6), two);
+                for (int r = 0; r < mr; r++) {
+                    const quad *a = (const quad *)(a0 + r * K + 16 * j);
+                    acc[r] = dpbusd_bcast(acc[r], c0, a);
+                    acc2[r] = dpbusd_bcast(acc2[r], c1, a + 1);
+                    acc3[r] = dpbusd_bcast(acc3[r], c2, a + 2);
+                    acc4[r] = dpbusd_bcast(acc4[r], c3, a + 3);
+                }
+            }
+            for (int r = 0; r < mr; r++) acc2[r] = _mm512_add_epi32(acc2[r], _mm512_add_epi32(
+                acc3[r], acc4[r]));
         } else {
             for (int64_t j = 0; j < G / 4; j += 2) {
                 _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
@@ -560,7 +586,7 @@ static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
     /* int4 calls of a few rows (decode steps, verifies): tiles by pairs (an odd last one
        alone); of MAX_ROWS rows or more (a prefill), single tiles MAX_ROWS rows at a time,
        which the Xeon ran 2-10% faster (512 rows of Qwen2-1.5B's shapes, one thread) */
-    const int amx = !amx_on || M < AMX_MIN_ROWS(bits) ? 0
+    const int amx = !amx_on || bits == 2 || M < AMX_MIN_ROWS(bits) ? 0
                     : bits == 8 && M < AMX_ROWS ? AMX_CHAIN : AMX_TILES;
     const int64_t step = amx == AMX_TILES || (bits == 4 && M < MAX_ROWS && !amx) ? 2 : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -599,4 +625,136 @@ int wq_linear_top(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
                   const float *bias, const void *x, void *y, int64_t M, int bf16, int threads,
                   int64_t *index, float *lse, float *value) {
     return linear(w, bits, N, K, G, bias, x, y, M, bf16, threads, index, lse, value);
+}
+
+/* Element i of p as store16 stored it: fp32, or bf16 when bf16 != 0. */
+static inline float value_at(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The C best of a row's tile maxima [tiles] (padding at -inf), by a min-heap, into sel
+   ascending. Ties keep the lower tile. */
+static void best_tiles(const float *mx, int64_t tiles, int64_t C, int64_t *sel) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < tiles; t++) {
+        const float v = mx[t];
+        if (n == C && !(v > mx[sel[0]])) continue;
+        int64_t i;
+        if (n < C) {  /* sift up */
+            i = n++;
+            while (i > 0 && mx[sel[(i - 1) / 2]] > v) {
+                sel[i] = sel[(i - 1) / 2];
+                i = (i - 1) / 2;
+            }
+        } else {  /* replace the root, sift down */
+            i = 0;
+            for (;;) {
+                int64_t c = 2 * i + 1;
+                if (c >= n) break;
+                if (c + 1 < n && mx[sel[c + 1]] < mx[sel[c]]) c++;
+                if (!(mx[sel[c]] < v)) break;
+                sel[i] = sel[c];
+                i = c;
+            }
+        }
+        sel[i] = t;
+    }
+    for (int64_t i = 1; i < n; i++) {  /* ascending tile order (C is small) */
+        const int64_t t = sel[i];
+        int64_t j = i;
+        for (; j > 0 && sel[j - 1] > t; j--) sel[j] = sel[j - 1];
+        sel[j] = t;
+    }
+}
+
+/* A greedy draft per row of x [M, K] from a draft head of N rows (engine/decode/draft_vocab.py
+   `DraftHead.greedy`): the coarse pass over its 2-bit layout w2 gives each tile of 16 rows
+   its largest logit; the C tiles with the largest are scored by the int4 layout w4, with the
+   bits the int4 product stores for them (bf16 when bf16 != 0), and the row's draft is the
+   first of their largest: index [M] and its logit top [M]; with lse (not NULL), the
+   log-sum-exp of the exact logits of those tiles and the coarse ones of the rest [M]. A
+   row's answers depend on that row alone. Returns 0, or -1 when scratch memory could not be
+   had. */
+int wq_draft_pick(const uint8_t *w2, const uint8_t *w4, int64_t N, int64_t K, int64_t G,
+                  const void *x, int64_t M, int bf16, int64_t C, int threads, int64_t *index,
+                  float *top, float *lse) {
+    const int64_t tiles = (N + TILE - 1) / TILE, width = tiles * TILE;
+    if (C > tiles) C = tiles;
+    if (C < 1) return -1;
+    int8_t *qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    float *sa = malloc(sizeof(float) * (size_t)(M * (K / G)) * 2);
+    float *rough = malloc(sizeof(float) * (size_t)(M * width));
+    float *fine = malloc(sizeof(float) * (size_t)(M * width));
+    float *mx = malloc(sizeof(float) * (size_t)(M * tiles));
+    int64_t *sel = malloc(sizeof(int64_t) * (size_t)(M * C));
+    if (!qa || !sa || !rough || !fine || !mx || !sel) {
+        free(qa); free(sa); free(rough); free(fine); free(mx); free(sel);
+        return -1;
+    }
+    float *ssum = sa + M * (K / G);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, bf16, r, K, G, qa, sa, ssum);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            tile(w2, 2, K, G, qa, sa, ssum, M, NULL, rough, 0, width, t, 0, 0, NULL);
+            const __mmask16 real = N - t * TILE >= TILE ? 0xffff
+                                   : (__mmask16)((1u << (N - t * TILE)) - 1);
+            for (int64_t r = 0; r < M; r++)
+                mx[r * tiles + t] = _mm512_mask_reduce_max_ps(
+                    real, _mm512_loadu_ps(rough + r * width + t * TILE));
+        }
+#pragma omp single
+        for (int64_t r = 0; r < M; r++) best_tiles(mx + r * tiles, tiles, C, sel + r * C);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * C; i++) {  /* a row's tiles in int4, its bits alone */
+            const int64_t r = i / C;
+            tile_rows(w4, 4, K, G, qa, sa, ssum, r, 1, NULL, fine, bf16, width, sel[i], NULL);
+        }
+    }
+    for (int64_t r = 0; r < M; r++) {
+        float best = -INFINITY;
+        int64_t at = sel[r * C] * TILE;
+        for (int64_t i = 0; i < C; i++) {
+            const int64_t n0 = sel[r * C + i] * TILE;
+            for (int64_t c = 0; c < TILE && n0 + c < N; c++) {
+                const float v = value_at(fine, r * width + n0 + c, bf16);
+                if (v > best) {
+                    best = v;
+                    at = n0 + c;
+                }
+            }
+        }
+        index[r] = at;
+        top[r] = best;
+        if (!lse) continue;
+        /* exact values over the rough ones in the chosen tiles, then log sum exp */
+        float *rr = rough + r * width;
+        for (int64_t i = 0; i < C; i++) {
+            const int64_t n0 = sel[r * C + i] * TILE;
+            for (int64_t c = 0; c < TILE; c++)
+                rr[n0 + c] = value_at(fine, r * width + n0 + c, bf16);
+        }
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < tiles; t++) {
+            const __mmask16 real = N - t * TILE >= TILE ? 0xffff
+                                   : (__mmask16)((1u << (N - t * TILE)) - 1);
+            vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, real, rr + t * TILE));
+        }
+        const float ref = _mm512_reduce_max_ps(vmax);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < tiles && ref != -INFINITY; t++) {
+            const __mmask16 real = N - t * TILE >= TILE ? 0xffff
+                                   : (__mmask16)((1u << (N - t * TILE)) - 1);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(real, exp_nonpositive(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(real, rr + t * TILE), _mm512_set1_ps(ref)))));
+        }
+        lse[r] = ref == -INFINITY ? -INFINITY : ref + logf(_mm512_reduce_add_ps(sum));
+    }
+    free(qa); free(sa); free(rough); free(fine); free(mx); free(sel);
+    return 0;
 }
