@@ -250,6 +250,25 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_draft_pick(args: argparse.Namespace) -> int:
+    from clients.bench.draft_pick import bench_draft_pick, format_report
+
+    try:
+        tiles = [int(n) for n in args.tiles.split(",")]
+    except ValueError:
+        raise CliError(f"--tiles: whole numbers, comma-separated, not {args.tiles!r}") from None
+    try:
+        result = bench_draft_pick(model_dir(args), [Path(f) for f in args.files], tiles,
+                                  draft_vocab=args.draft_vocab, prompts=args.prompts,
+                                  context=args.context, tokens=args.tokens, k=args.k)
+    except (ValueError, FileNotFoundError) as e:
+        raise CliError(f"bench draft-pick: {e}") from None
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def cmd_bench_draft_vocab(args: argparse.Namespace) -> int:
     from clients.bench.draft_vocab import bench_draft_vocab, format_report
 
@@ -536,6 +555,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="characters read per language at most (default 400000)")
     dv.add_argument("--json", help="write the results to this file")
     dv.set_defaults(func=cmd_bench_draft_vocab)
+    dp = bench_sub.add_parser("draft-pick", help="what the greedy drafts' coarse pass costs "
+                              "in acceptance, by candidate tiles, on your code")
+    dp.add_argument("--model", help="checkpoint directory or Hugging Face name (default: "
+                    "the config file's, $AHEAD_MODEL, else the bundled model)")
+    dp.add_argument("--files", nargs="+", default=["."],
+                    help="files, and directories searched for source files (default: .)")
+    dp.add_argument("--tiles", default="0,16,64",
+                    help="candidate tiles of 16 rows, comma-separated; 0: the int4 rows "
+                    "score every draft (default 0,16,64)")
+    dp.add_argument("--draft-vocab", type=int, default=32768,
+                    help="rows of the reduced draft head (default 32768, the engine's)")
+    dp.add_argument("--prompts", type=int, default=24, help="contexts (default 24)")
+    dp.add_argument("--context", type=int, default=200, help="tokens a context (default 200)")
+    dp.add_argument("--tokens", type=int, default=48,
+                    help="tokens generated a context (default 48)")
+    dp.add_argument("-k", type=int, default=3, help="drafts a step (default 3)")
+    dp.add_argument("--json", help="write the results to this file")
+    dp.set_defaults(func=cmd_bench_draft_pick)
     qual = bench_sub.add_parser("quality", help="would a person keep the suggestions: shown "
                                 "rate, exact match, docstrings, against the threshold")
     add_model_args(qual)

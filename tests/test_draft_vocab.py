@@ -177,6 +177,7 @@ def test_a_greedy_draft_is_the_best_int4_logit_of_the_coarse_pass_candidates(
     assert every[2] is not None and torch.allclose(every[2], full[3], atol=1e-5)
 
 
+@needs_vnni
 def test_greedy_drafts_through_the_coarse_pass_leave_output_plain_decoding(
         model_dir: Path) -> None:
     engine = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=256, k_max=4, slots=1,
@@ -184,8 +185,7 @@ def test_greedy_drafts_through_the_coarse_pass_leave_output_plain_decoding(
     head = engine.model.draft_head
     assert head is not None
     head.candidates = 1  # one tile of 16 of the 64 rows: the coarse pass pays
-    if native.status() == "vnni":
-        assert head.coarse() is not None
+    assert head.coarse() is not None
     allowed = set(head.ids.tolist())
     prompt = list(range(300, 340))
     plain = engine.generate(prompt, GenParams(30, speculative=False, stop_loops=False)).tokens
