@@ -23,6 +23,20 @@ from daemon.config import BACKENDS, FIM_TEMPLATES
 EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 
 
+def _report(text: str, result: dict[str, Any], json_path: str | None) -> None:
+    """A bench's report printed, and its results written as JSON where --json asks."""
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _whole_numbers(text: str, flag: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise CliError(f"{flag}: whole numbers, comma-separated, not {text!r}") from None
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from clients.bench.edits import edit_prompts
     from clients.bench.engine import bench_engine, cursor_prompts, format_report, heldout_loss
@@ -73,9 +87,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     result["dtype"] = str(engine.dtype).removeprefix("torch.")
     result["exact"] = engine.exactness
     result["load_s"] = engine.load_seconds
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(format_report(result), result, args.json)
     return 0
 
 
@@ -142,9 +154,7 @@ def _bench_steps(args: argparse.Namespace) -> int:
     result |= {"preset": name, "device": str(engine.device),
                "dtype": str(engine.dtype).removeprefix("torch."),
                "graphs": engine.graphs, "compiled": engine.compiled}
-    print(steps.format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(steps.format_report(result), result, args.json)
     return 0
 
 
@@ -170,9 +180,7 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
                                             progress=progress))
     except ValueError as e:
         raise CliError(str(e)) from None
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(format_report(result), result, args.json)
     return 0
 
 
@@ -221,9 +229,7 @@ def cmd_bench_typist(args: argparse.Namespace) -> int:
                                           serve_args=_serve_args(args), progress=progress))
     except ValueError as e:
         raise CliError(str(e)) from None
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(format_report(result), result, args.json)
     return 0
 
 
@@ -244,46 +250,34 @@ def cmd_bench_lsp(args: argparse.Namespace) -> int:
     if not file.is_file():
         raise CliError(f"file {file} does not exist")
     result = asyncio.run(bench_lsp(model_dir(args), file, keystrokes=args.keystrokes))
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(format_report(result), result, args.json)
     return 0
 
 
 def cmd_bench_draft_pick(args: argparse.Namespace) -> int:
     from clients.bench.draft_pick import bench_draft_pick, format_report
 
-    try:
-        tiles = [int(n) for n in args.tiles.split(",")]
-    except ValueError:
-        raise CliError(f"--tiles: whole numbers, comma-separated, not {args.tiles!r}") from None
+    tiles = _whole_numbers(args.tiles, "--tiles")
     try:
         result = bench_draft_pick(model_dir(args), [Path(f) for f in args.files], tiles,
                                   draft_vocab=args.draft_vocab, prompts=args.prompts,
                                   context=args.context, tokens=args.tokens, k=args.k)
     except (ValueError, FileNotFoundError) as e:
         raise CliError(f"bench draft-pick: {e}") from None
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(format_report(result), result, args.json)
     return 0
 
 
 def cmd_bench_draft_vocab(args: argparse.Namespace) -> int:
     from clients.bench.draft_vocab import bench_draft_vocab, format_report
 
-    try:
-        sizes = [int(n) for n in args.sizes.split(",")]
-    except ValueError:
-        raise CliError(f"--sizes: whole numbers, comma-separated, not {args.sizes!r}") from None
+    sizes = _whole_numbers(args.sizes, "--sizes")
     try:
         result = bench_draft_vocab(model_dir(args), [Path(f) for f in args.files], sizes,
                                    chars=args.chars)
     except (ValueError, FileNotFoundError) as e:
         raise CliError(f"bench draft-vocab: {e}") from None
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    _report(format_report(result), result, args.json)
     return 0
 
 

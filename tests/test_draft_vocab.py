@@ -65,19 +65,26 @@ def test_the_draft_head_is_the_heads_rows(model_dir: Path, tmp_path: Path, quant
         assert 0 < error < 0.1 * full[..., inside].abs().max().item()
 
 
-def test_drafts_stay_in_the_subset_and_output_is_plain_decoding(model_dir: Path) -> None:
-    engine = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=256, k_max=4, slots=1,
-                         draft_vocab=SIZE // 2)  # 512 > 2 x 64: reduced
-    assert engine.model.draft_head is not None
-    allowed = set(engine.model.draft_head.ids.tolist())
+def _decode_both_ways(engine: Engine) -> tuple[list[int], list[int]]:
+    """Plain decoding's tokens of a prompt, and every draft made while speculative decoding
+    at K=1, 4 and adaptive gives the same tokens."""
     prompt = list(range(300, 340))
     plain = engine.generate(prompt, GenParams(30, speculative=False, stop_loops=False)).tokens
-    assert not set(plain) <= allowed  # the verify emits tokens drafts cannot
     drafted: list[int] = []
     for k in (1, 4, None):
         gen = engine.generate(prompt, GenParams(30, k=k, stop_loops=False, drafts="mtp"),
                               on_step=lambda s: drafted.extend(engine.drafts()))
         assert gen.tokens == plain, f"k={k}"
+    return plain, drafted
+
+
+def test_drafts_stay_in_the_subset_and_output_is_plain_decoding(model_dir: Path) -> None:
+    engine = Engine.load(model_dir, dtype=torch.bfloat16, max_seq_len=256, k_max=4, slots=1,
+                         draft_vocab=SIZE // 2)  # 512 > 2 x 64: reduced
+    assert engine.model.draft_head is not None
+    allowed = set(engine.model.draft_head.ids.tolist())
+    plain, drafted = _decode_both_ways(engine)
+    assert not set(plain) <= allowed  # the verify emits tokens drafts cannot
     assert drafted and set(drafted) <= allowed
 
 
@@ -186,12 +193,5 @@ def test_greedy_drafts_through_the_coarse_pass_leave_output_plain_decoding(
     assert head is not None
     head.candidates = 1  # one tile of 16 of the 64 rows: the coarse pass pays
     assert head.coarse() is not None
-    allowed = set(head.ids.tolist())
-    prompt = list(range(300, 340))
-    plain = engine.generate(prompt, GenParams(30, speculative=False, stop_loops=False)).tokens
-    drafted: list[int] = []
-    for k in (1, 4, None):
-        gen = engine.generate(prompt, GenParams(30, k=k, stop_loops=False, drafts="mtp"),
-                              on_step=lambda s: drafted.extend(engine.drafts()))
-        assert gen.tokens == plain, f"k={k}"
-    assert drafted and set(drafted) <= allowed
+    _, drafted = _decode_both_ways(engine)
+    assert drafted and set(drafted) <= set(head.ids.tolist())

@@ -86,6 +86,30 @@ static void quantize_row(const void *x, int bf16, int64_t r, int64_t K, int64_t 
     }
 }
 
+/* x's M rows as int8 codes per group (`quantize_row`), in memory of their own. */
+typedef struct {
+    int8_t *qa;
+    float *sa, *ssum;
+} Coded;
+
+static int code_rows(const void *x, int bf16, int64_t M, int64_t K, int64_t G, Coded *c) {
+    c->qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    c->sa = malloc(sizeof(float) * (size_t)(M * (K / G)) * 2);
+    if (!c->qa || !c->sa) {
+        free(c->qa);
+        free(c->sa);
+        return -1;
+    }
+    c->ssum = c->sa + M * (K / G);
+    for (int64_t r = 0; r < M; r++) quantize_row(x, bf16, r, K, G, c->qa, c->sa, c->ssum);
+    return 0;
+}
+
+static void coded_free(Coded *c) {
+    free(c->qa);
+    free(c->sa);
+}
+
 /* A group's int32 sums of rows r0 .. r0 + mr - 1 into their float accumulators, by the
    block's fp16 scales s and offsets m at sm: facc += sum (s sa) + m ssum. i0: the group's
    index for row r0 into sa and ssum. */
@@ -146,7 +170,7 @@ static inline void top_add(Top *t, __m512 v, __mmask16 m, int64_t n0) {
 static inline __attribute__((always_inline)) void store_tile(
         void *y, const __m512 *facc, const int mr, int64_t r0, int64_t N, int64_t n0,
         const float *bias, int bf16, Top *top) {
-    const __mmask16 mask = N - n0 >= TILE ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    const __mmask16 mask = tail(N - n0);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     for (int r = 0; r < mr; r++) {
         const __m512 v = _mm512_add_ps(facc[r], b);
@@ -570,18 +594,15 @@ static void top_finish(const Top *tops, int threads, int64_t M, int64_t *index, 
 static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
                   const float *bias, const void *x, void *y, int64_t M, int bf16, int threads,
                   int64_t *index, float *lse, float *value) {
-    int8_t *qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    float *sa = malloc(sizeof(float) * (size_t)(M * (K / G)) * 2);
     Top *tops = index ? aligned_alloc(64, sizeof(Top) * (size_t)(threads * M)) : NULL;
-    if (!qa || !sa || (index && !tops)) {
-        free(qa);
-        free(sa);
+    Coded c;
+    if ((index && !tops) || code_rows(x, bf16, M, K, G, &c) != 0) {
         free(tops);
         return -1;
     }
+    const int8_t *qa = c.qa;
+    const float *sa = c.sa, *ssum = c.ssum;
     for (int64_t i = 0; tops && i < threads * M; i++) top_start(tops + i);
-    float *ssum = sa + M * (K / G);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, bf16, r, K, G, qa, sa, ssum);
     const int64_t tiles = (N + TILE - 1) / TILE;
     /* int4 calls of a few rows (decode steps, verifies): tiles by pairs (an odd last one
        alone); of MAX_ROWS rows or more (a prefill), single tiles MAX_ROWS rows at a time,
@@ -601,8 +622,7 @@ static int linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
 #endif
     }
     if (tops) top_finish(tops, threads, M, index, lse, value);
-    free(qa);
-    free(sa);
+    coded_free(&c);
     free(tops);
     return 0;
 }
@@ -671,6 +691,10 @@ static void best_tiles(const float *mx, int64_t tiles, int64_t C, int64_t *sel) 
     }
 }
 
+/* rows.c's: per row, the index of its first maximum and its log-sum-exp. */
+void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16,
+                int64_t *index, float *lse, float *value, int threads);
+
 /* A greedy draft per row of x [M, K] from a draft head of N rows (engine/decode/draft_vocab.py
    `DraftHead.greedy`): the coarse pass over its 2-bit layout w2 gives each tile of 16 rows
    its largest logit; the C tiles with the largest are scored by the int4 layout w4, with the
@@ -685,76 +709,50 @@ int wq_draft_pick(const uint8_t *w2, const uint8_t *w4, int64_t N, int64_t K, in
     const int64_t tiles = (N + TILE - 1) / TILE, width = tiles * TILE;
     if (C > tiles) C = tiles;
     if (C < 1) return -1;
-    int8_t *qa = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    float *sa = malloc(sizeof(float) * (size_t)(M * (K / G)) * 2);
     float *rough = malloc(sizeof(float) * (size_t)(M * width));
     float *fine = malloc(sizeof(float) * (size_t)(M * width));
     float *mx = malloc(sizeof(float) * (size_t)(M * tiles));
-    int64_t *sel = malloc(sizeof(int64_t) * (size_t)(M * C));
-    if (!qa || !sa || !rough || !fine || !mx || !sel) {
-        free(qa); free(sa); free(rough); free(fine); free(mx); free(sel);
+    int64_t *sel = malloc(sizeof(int64_t) * (size_t)(M * (C + 1)));  /* + argmax_lse's index */
+    Coded c;
+    if (!rough || !fine || !mx || !sel || code_rows(x, bf16, M, K, G, &c) != 0) {
+        free(rough); free(fine); free(mx); free(sel);
         return -1;
     }
-    float *ssum = sa + M * (K / G);
-    for (int64_t r = 0; r < M; r++) quantize_row(x, bf16, r, K, G, qa, sa, ssum);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            tile(w2, 2, K, G, qa, sa, ssum, M, NULL, rough, 0, width, t, 0, 0, NULL);
-            const __mmask16 real = N - t * TILE >= TILE ? 0xffff
-                                   : (__mmask16)((1u << (N - t * TILE)) - 1);
+            tile(w2, 2, K, G, c.qa, c.sa, c.ssum, M, NULL, rough, 0, width, t, 0, 0, NULL);
             for (int64_t r = 0; r < M; r++)
                 mx[r * tiles + t] = _mm512_mask_reduce_max_ps(
-                    real, _mm512_loadu_ps(rough + r * width + t * TILE));
+                    tail(N - t * TILE), _mm512_loadu_ps(rough + r * width + t * TILE));
         }
 #pragma omp single
         for (int64_t r = 0; r < M; r++) best_tiles(mx + r * tiles, tiles, C, sel + r * C);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < M * C; i++) {  /* a row's tiles in int4, its bits alone */
-            const int64_t r = i / C;
-            tile_rows(w4, 4, K, G, qa, sa, ssum, r, 1, NULL, fine, bf16, width, sel[i], NULL);
-        }
+        for (int64_t i = 0; i < M * C; i++)  /* a row's tiles in int4, its bits alone */
+            tile_rows(w4, 4, K, G, c.qa, c.sa, c.ssum, i / C, 1, NULL, fine, bf16, width,
+                      sel[i], NULL);
     }
     for (int64_t r = 0; r < M; r++) {
         float best = -INFINITY;
         int64_t at = sel[r * C] * TILE;
         for (int64_t i = 0; i < C; i++) {
             const int64_t n0 = sel[r * C + i] * TILE;
-            for (int64_t c = 0; c < TILE && n0 + c < N; c++) {
-                const float v = value_at(fine, r * width + n0 + c, bf16);
+            for (int64_t k = 0; k < TILE && n0 + k < N; k++) {
+                const float v = value_at(fine, r * width + n0 + k, bf16);
                 if (v > best) {
                     best = v;
-                    at = n0 + c;
+                    at = n0 + k;
                 }
+                rough[r * width + n0 + k] = v;  /* the exact logit over the coarse one */
             }
         }
         index[r] = at;
         top[r] = best;
-        if (!lse) continue;
-        /* exact values over the rough ones in the chosen tiles, then log sum exp */
-        float *rr = rough + r * width;
-        for (int64_t i = 0; i < C; i++) {
-            const int64_t n0 = sel[r * C + i] * TILE;
-            for (int64_t c = 0; c < TILE; c++)
-                rr[n0 + c] = value_at(fine, r * width + n0 + c, bf16);
-        }
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < tiles; t++) {
-            const __mmask16 real = N - t * TILE >= TILE ? 0xffff
-                                   : (__mmask16)((1u << (N - t * TILE)) - 1);
-            vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, real, rr + t * TILE));
-        }
-        const float ref = _mm512_reduce_max_ps(vmax);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < tiles && ref != -INFINITY; t++) {
-            const __mmask16 real = N - t * TILE >= TILE ? 0xffff
-                                   : (__mmask16)((1u << (N - t * TILE)) - 1);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(real, exp_nonpositive(_mm512_sub_ps(
-                _mm512_maskz_loadu_ps(real, rr + t * TILE), _mm512_set1_ps(ref)))));
-        }
-        lse[r] = ref == -INFINITY ? -INFINITY : ref + logf(_mm512_reduce_add_ps(sum));
     }
-    free(qa); free(sa); free(rough); free(fine); free(mx); free(sel);
+    if (lse) argmax_lse(rough, width, M, N, 0, sel + M * C, lse, NULL, 1);
+    coded_free(&c);
+    free(rough); free(fine); free(mx); free(sel);
     return 0;
 }
