@@ -70,12 +70,16 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
     hist = r["adaptive_k_histogram"]
     assert hist and set(map(int, hist)) <= set(range(9)) and all(n > 0 for n in hist.values())
     assert "adaptive K: " in proc.stdout and "(K:steps " in proc.stdout
+    # adaptive K takes its turns with the others, round after round, its policy learning on:
+    # its first round (the policy as loaded) is said apart
+    assert r["adaptive_first_round_tokens_per_s"] > 0 and "; its first round " in proc.stdout
+    assert len(r["round_step_ms"]["adaptive"]) == 3 and sum(hist.values()) > 3
     # the modes took turns 3 times; a K's ratio to plain decoding is the median of its rounds'
     assert r["rounds"] == 3 and "round 3 of 3" in proc.stderr
     # fp32 here: by steps where a lone step runs one row, else by generations (said so)
     assert r["turns"] == "steps" or "runs a row for every slot" in proc.stderr
     rounds = r["round_step_ms"]  # each mode's median step in each round
-    assert set(rounds) == {"plain", "k1", "k2", "verify1", "verify2"}
+    assert set(rounds) == {"plain", "k1", "k2", "verify1", "verify2", "adaptive"}
     for k in ("1", "2"):
         ratios = sorted(a / b for a, b in zip(rounds[f"k{k}"], rounds["plain"], strict=True))
         assert r["step_ratio_by_k"][k] == pytest.approx(ratios[1])
@@ -106,19 +110,19 @@ def test_the_modes_take_turns_step_by_step_where_each_has_a_slot_of_its_own() ->
 
     said: list[str] = []
     fp32 = bench_engine(make(torch.float32), 1, [1, 2], 2, said.append)
-    if made == [5, 1]:  # a lone fp32 step here runs a row for every slot: made again
+    if made == [6, 1]:  # a lone fp32 step here runs a row for every slot: made again
         assert fp32.max_slots == 1 and "runs a row for every slot" in said[0]
     else:
-        assert made == [5] and fp32.step_rows(1) == 1 and not said
+        assert made == [6] and fp32.step_rows(1) == 1 and not said
     made.clear()
     stepwise = bench_engine(make(torch.bfloat16), 1, [1, 2], 2, said.append)
-    if made != [5]:
+    if made != [6]:
         pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
     said.clear()
     r = bench_steps(stepwise, context=48, new_tokens=20, ks=[1, 2], progress=said.append)
     assert r["turns"] == "steps" and any("step by step (round 2 of 2)" in s for s in said)
     assert r["identical_to_ar"] is True  # every K's output is plain decoding's, slot by slot
-    assert set(r["round_step_ms"]) == {"plain", "k1", "k2", "verify1", "verify2"}
+    assert set(r["round_step_ms"]) == {"plain", "k1", "k2", "verify1", "verify2", "adaptive"}
     assert all(len(v) == 2 for v in r["round_step_ms"].values())
     kept = bench_steps(stepwise, context=48, new_tokens=20, ks=[2], synthetic=[1, 1],
                        rounds=1)
@@ -142,7 +146,7 @@ def test_the_bench_says_where_each_modes_step_spends_its_time(tmp_path: Path) ->
     if r["turns"] != "steps":
         pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
     ms, calls = r["breakdown_ms"], r["breakdown_calls"]
-    assert set(ms) == set(calls) == {"plain", "k1", "k2", "verify1", "verify2"}
+    assert set(ms) == set(calls) == {"plain", "k1", "k2", "verify1", "verify2", "adaptive"}
     layers = 3  # tiny-qwen3's blocks: q/k/v, o, gate/up, down products each; then the head
     products = "int8/int4 products"
     assert calls["plain"][products] == calls["verify2"][products] == 4 * layers + 1
@@ -155,3 +159,7 @@ def test_the_bench_says_where_each_modes_step_spends_its_time(tmp_path: Path) ->
         assert mode["step"] == pytest.approx(sum(v for p, v in mode.items() if p != "step"))
     assert "where a step's time goes" in proc.stdout
     assert "the rest: torch's operators, Python" in proc.stdout
+    head, *table = proc.stdout.split("where a step's time goes")[1].splitlines()
+    assert "/ K=2 / adaptive K;" in head
+    labels = [line.split(":")[0] for line in table if line.startswith("  ")]
+    assert len(labels) == len(set(labels)) > 4  # each part once, with a figure per mode

@@ -267,3 +267,23 @@ def test_the_device_rule_decides_as_the_chain_does() -> None:
                 assert bool(go_on[b]) == chains[b].more(float(confs[b, j - 1])), (b, j)
         alive &= go_on
     assert 0 < int(alive.sum()) < rows  # some chains went the whole way, some stopped
+
+
+def test_a_fresh_chain_learns_within_its_first_steps() -> None:
+    """Drafts the module gives little probability start out valued at that probability, so
+    a new policy's chain stops after its first; once a few such drafts were accepted, the
+    chain goes on past it (its tables are refreshed after 1, 2, 4 ... steps at first, not
+    only every `plan_every`)."""
+    policy = KPolicy(4, COSTS[:5], probe_every=0)
+
+    def length() -> int:
+        policy.best(TextKind.CODE)
+        chain, n = DraftChain(policy), 1
+        while n < 4 and chain.more(0.02):
+            n += 1
+        return n
+
+    assert length() == 1
+    for _ in range(4):  # the chain stopped after one draft, and it was accepted
+        policy.observe(TextKind.CODE, 1, 1, confidences=[0.02])
+    assert length() > 1

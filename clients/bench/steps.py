@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     made: dict[tuple[str, int], int] = dict.fromkeys(modes, 0)
     plain: list[int] | None = None
     identical = True
+    k_hist: Counter[int] = Counter()  # the adaptive rows' Ks, steps of each
     # where each mode's steps spend their time: our CPU kernels timed as they run
     parts: dict[tuple[str, int], dict[str, list[float]]] = {m: {} for m in modes}
     breakdown = stepwise and engine.device.type == "cpu"
@@ -117,17 +119,21 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
         timed() if breakdown else contextlib.nullcontext(empty)
     with timing as totals:
         for r in range(rounds):
-            say(f"plain decoding, K={','.join(map(str, ks))} and verify-only K, taking turns "
-                f"{'step by step' if stepwise else 'by generations'} (round {r + 1} of "
-                f"{rounds})")
+            say(f"plain decoding, K={','.join(map(str, ks))}, verify-only K and adaptive K, "
+                f"taking turns {'step by step' if stepwise else 'by generations'} (round "
+                f"{r + 1} of {rounds})")
             runs = _stepped(engine, prompts[0], modes, new_tokens, totals, parts) \
                 if stepwise else {mode: _stepped(engine, prompts[0], [mode], new_tokens)[mode]
                                   for mode in modes}
-            for mode, (tokens, ts) in runs.items():
-                if mode[0] != "verify":
-                    made[mode] += len(tokens) - 1
-                    plain = plain or tokens  # the first generation is plain decoding's
-                    identical &= tokens == plain
+            for mode, (run, ts) in runs.items():
+                if run is not None:
+                    made[mode] += len(run.tokens) - 1
+                    plain = plain or run.tokens  # the first generation is plain decoding's
+                    identical &= run.tokens == plain
+                if mode[0] == "adaptive" and run is not None:
+                    k_hist.update(run.stats.k_hist)
+                    if r == 0:
+                        out["adaptive_first_round_tokens_per_s"] = (len(run.tokens) - 1) / sum(ts)
                 times[mode] += ts
                 by_round[mode].append(statistics.median(ts))
     assert plain is not None
@@ -147,8 +153,8 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     out["step_ratio_by_k"] = {
         str(k): statistics.median(a / b for a, b in zip(by_round["k", k], by_round["plain", 0],
                                                         strict=True)) for k in ks}
-    out["round_step_ms"] = {("plain" if kind == "plain" else f"{kind}{k}"): [t * 1e3 for t in ts]
-                            for (kind, k), ts in by_round.items()}
+    out["round_step_ms"] = {_mode_name(mode): [t * 1e3 for t in ts]
+                            for mode, ts in by_round.items()}
     out["draft_share_by_k"] = {k: ms / out["ar_step_ms"]
                                for k, ms in out["draft_ms_by_k"].items()}
     if breakdown:
@@ -156,10 +162,10 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
         out["breakdown_calls"] = {_mode_name(m): {p: calls / max(len(times[m]), 1)
                                                   for p, (_, calls) in parts[m].items() if calls}
                                   for m in modes}
-    run, adaptive = _timed(engine, prompts[0], _params(new_tokens))
-    identical &= run.tokens == plain
-    out["adaptive_tokens_per_s"] = (len(run.tokens) - 1) / sum(adaptive)
-    out["adaptive_k_histogram"] = {str(k): n for k, n in sorted(run.stats.k_hist.items())}
+    # The policy learns from round to round, as a daemon's does from one request to the next.
+    adaptive = ("adaptive", 0)
+    out["adaptive_tokens_per_s"] = made[adaptive] / sum(times[adaptive])
+    out["adaptive_k_histogram"] = {str(k): n for k, n in sorted(k_hist.items())}
     if slots > 1:
         say(f"{slots} slots batched")
         out |= _batched(engine, prompts, new_tokens)
@@ -201,19 +207,22 @@ def bench_ks(ks: list[int] | None, k_max: int) -> list[int]:
 
 
 def bench_modes(ks: list[int]) -> list[tuple[str, int]]:
-    """What the bench times: plain decoding, each K, and each K's verify alone."""
-    return [("plain", 0), *(("k", k) for k in ks), *(("verify", k) for k in ks)]
+    """What the bench times: plain decoding, each K, each K's verify alone, and adaptive K."""
+    return [("plain", 0), *(("k", k) for k in ks), *(("verify", k) for k in ks),
+            ("adaptive", 0)]
 
 
 def _mode_params(mode: tuple[str, int], new_tokens: int) -> GenParams:
     kind, k = mode
+    if kind == "adaptive":
+        return _params(new_tokens)
     return _params(new_tokens, speculative=False) if kind == "plain" else \
         _params(new_tokens, k=k if kind == "k" else 0)
 
 
 def _mode_name(mode: tuple[str, int]) -> str:
     kind, k = mode
-    return "plain" if kind == "plain" else f"{kind}{k}"
+    return kind if kind in ("plain", "adaptive") else f"{kind}{k}"
 
 
 def _per_step(spent: dict[str, list[float]], steps: list[float]) -> dict[str, float]:
@@ -228,12 +237,12 @@ def _per_step(spent: dict[str, list[float]], steps: list[float]) -> dict[str, fl
 def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
              new_tokens: int, totals: dict[str, list[float]] | None = None,
              parts: dict[tuple[str, int], dict[str, list[float]]] | None = None,
-             ) -> dict[tuple[str, int], tuple[list[int], list[float]]]:
+             ) -> dict[tuple[str, int], tuple[Generation | None, list[float]]]:
     """Every mode's generation at once (one mode: alone), each in a slot of its own, one step
-    each in turn until all have ended: their tokens and the seconds of each step after the
-    prefill (a verify-only mode's steps with K drafts given, until fewer than K + 1 tokens
-    are left). With `totals` (`timing.timed`'s) and `parts`: each part's seconds and calls
-    within each mode's timed steps, added to parts[mode]."""
+    each in turn until all have ended: each generation (None for a verify-only mode) and the
+    seconds of each step after the prefill (a verify-only mode's steps with K drafts given,
+    until fewer than K + 1 tokens are left). With `totals` (`timing.timed`'s) and `parts`:
+    each part's seconds and calls within each mode's timed steps, added to parts[mode]."""
     gens = {}
     for i, mode in enumerate(modes):
         slot = "bench" if i == 0 else ("bench", i)
@@ -260,7 +269,7 @@ def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
                     mine = parts[mode].setdefault(part, [0.0, 0])
                     mine[0] += got[0] - was[0]
                     mine[1] += got[1] - was[1]
-    return {m: ([] if m[0] == "verify" else gens[m].tokens, times[m]) for m in modes}
+    return {m: (None if m[0] == "verify" else gens[m], times[m]) for m in modes}
 
 
 def _params(new_tokens: int, **kw: Any) -> GenParams:
@@ -276,19 +285,6 @@ def _prefill_s(engine: Engine, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     engine.step([gen])
     return time.perf_counter() - t0
-
-
-def _timed(engine: Engine, prompt: list[int], params: GenParams) -> tuple[Generation, list[float]]:
-    """A generation, run to its end, and the seconds of each step after its prefill."""
-    engine.clear_cache("bench")
-    gen = engine.start(prompt, params, slot="bench")
-    engine.step([gen])
-    times = []
-    while gen.finish_reason is None:
-        t0 = time.perf_counter()
-        engine.step([gen])  # ends with the host reading the step's result: synchronised
-        times.append(time.perf_counter() - t0)
-    return gen, times
 
 
 def _batched(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -373,6 +369,8 @@ def format_report(r: dict[str, Any]) -> str:
     share = " ".join(f"K={k}:{x:.2f}" for k, x in r["draft_share_by_k"].items())
     hist = r.get("adaptive_k_histogram")  # absent from results saved before it was kept
     adaptive_ks = f" (K:steps {' '.join(f'{k}:{n}' for k, n in hist.items())})" if hist else ""
+    cold = r.get("adaptive_first_round_tokens_per_s")  # the policy as it was after loading
+    first = f"; its first round {cold:.1f}" if cold is not None else ""
     lines = [
         f"{r.get('preset', 'model')} on {r.get('device')} {r.get('dtype')} (quant "
         f"{r.get('quant', 'none')}): context "
@@ -386,7 +384,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"draft ms per token by K (step - verify-only) / K: {per_draft} "
         f"(share of a plain step: {share})",
         f"tokens/s by K: {rate_k}",
-        f"adaptive K: {r['adaptive_tokens_per_s']:.1f} tokens/s{adaptive_ks}",
+        f"adaptive K: {r['adaptive_tokens_per_s']:.1f} tokens/s{adaptive_ks}{first}",
         f"{unit} per plain step: {r['launches_per_ar_step']:.0f}",
         f"weights {r['weight_mb']:.0f} MB per step / step time = "
         f"{r['weight_bandwidth_share'] * 100:.0f}% of the copy bandwidth "
@@ -411,13 +409,15 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _breakdown_lines(parts: dict[str, dict[str, float]]) -> list[str]:
-    """A plain step, the largest K's verify-only step and its step, part by part."""
+    """A plain step, the largest K's verify-only step and its step, and an adaptive step,
+    part by part."""
     k = max((int(name[1:]) for name in parts if name.startswith("k")), default=None)
-    names = ["plain"] + ([f"verify{k}", f"k{k}"] if k else [])
+    names = ["plain"] + ([f"verify{k}", f"k{k}"] if k else []) + ["adaptive"]
     names = [n for n in names if n in parts]
-    heads = {"plain": "plain", f"verify{k}": f"verify-only K={k}", f"k{k}": f"K={k}"}
-    order = [p for p in parts[names[0]] if p not in ("step", "rest")]
-    order += [p for n in names for p in parts[n] if p not in order and p not in ("step", "rest")]
+    heads = {"plain": "plain", f"verify{k}": f"verify-only K={k}", f"k{k}": f"K={k}",
+             "adaptive": "adaptive K"}
+    order = [p for p in dict.fromkeys(p for n in names for p in parts[n])
+             if p not in ("step", "rest")]
     lines = [f"where a step's time goes, ms a step, means ({' / '.join(heads[n] for n in names)}"
              "; our kernels timed as they ran, each from its Python call to its return):"]
     for part, label in [*((p, p) for p in order), ("rest", "the rest: torch's operators, "
