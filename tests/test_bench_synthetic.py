@@ -127,6 +127,11 @@ def test_the_modes_take_turns_step_by_step_where_each_has_a_slot_of_its_own() ->
     kept = bench_steps(stepwise, context=48, new_tokens=20, ks=[2], synthetic=[1, 1],
                        rounds=1)
     assert kept["turns"] == "steps" and 2.5 <= kept["tokens_per_step_by_k"]["2"] <= 3
+    # each round's modes share one seed, so the synthetic draws are the same at the same
+    # positions: a mode's tokens per step repeat from run to run
+    again = [bench_steps(stepwise, context=48, new_tokens=20, ks=[1, 2], synthetic=[0.6, 0.5],
+                         rounds=2)["tokens_per_step_by_k"] for _ in range(2)]
+    assert again[0] == again[1]
     alone = bench_steps(make(torch.bfloat16)(1), context=48, new_tokens=20, ks=[1], rounds=1)
     assert alone["turns"] == "generations" and alone["identical_to_ar"] is True
 

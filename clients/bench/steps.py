@@ -122,9 +122,12 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
             say(f"plain decoding, K={','.join(map(str, ks))}, verify-only K and adaptive K, "
                 f"taking turns {'step by step' if stepwise else 'by generations'} (round "
                 f"{r + 1} of {rounds})")
-            runs = _stepped(engine, prompts[0], modes, new_tokens, totals, parts) \
-                if stepwise else {mode: _stepped(engine, prompts[0], [mode], new_tokens)[mode]
-                                  for mode in modes}
+            # One seed for every mode of a round: the synthetic acceptance's draws are then
+            # the same at the same positions, and modes differ by their drafts, not by luck.
+            seed = r + 1
+            runs = _stepped(engine, prompts[0], modes, new_tokens, totals, parts, seed) \
+                if stepwise else {mode: _stepped(engine, prompts[0], [mode], new_tokens,
+                                                 seed=seed)[mode] for mode in modes}
             for mode, (run, ts) in runs.items():
                 if run is not None:
                     made[mode] += len(run.tokens) - 1
@@ -212,12 +215,12 @@ def bench_modes(ks: list[int]) -> list[tuple[str, int]]:
             ("adaptive", 0)]
 
 
-def _mode_params(mode: tuple[str, int], new_tokens: int) -> GenParams:
+def _mode_params(mode: tuple[str, int], new_tokens: int, seed: int | None = None) -> GenParams:
     kind, k = mode
     if kind == "adaptive":
-        return _params(new_tokens)
-    return _params(new_tokens, speculative=False) if kind == "plain" else \
-        _params(new_tokens, k=k if kind == "k" else 0)
+        return _params(new_tokens, seed=seed)
+    return _params(new_tokens, speculative=False, seed=seed) if kind == "plain" else \
+        _params(new_tokens, k=k if kind == "k" else 0, seed=seed)
 
 
 def _mode_name(mode: tuple[str, int]) -> str:
@@ -237,17 +240,19 @@ def _per_step(spent: dict[str, list[float]], steps: list[float]) -> dict[str, fl
 def _stepped(engine: Engine, prompt: list[int], modes: list[tuple[str, int]],
              new_tokens: int, totals: dict[str, list[float]] | None = None,
              parts: dict[tuple[str, int], dict[str, list[float]]] | None = None,
+             seed: int | None = None,
              ) -> dict[tuple[str, int], tuple[Generation | None, list[float]]]:
     """Every mode's generation at once (one mode: alone), each in a slot of its own, one step
     each in turn until all have ended: each generation (None for a verify-only mode) and the
     seconds of each step after the prefill (a verify-only mode's steps with K drafts given,
     until fewer than K + 1 tokens are left). With `totals` (`timing.timed`'s) and `parts`:
-    each part's seconds and calls within each mode's timed steps, added to parts[mode]."""
+    each part's seconds and calls within each mode's timed steps, added to parts[mode].
+    `seed`: every generation's (where acceptance is synthetic, its draws)."""
     gens = {}
     for i, mode in enumerate(modes):
         slot = "bench" if i == 0 else ("bench", i)
         engine.clear_cache(slot)
-        gens[mode] = engine.start(prompt, _mode_params(mode, new_tokens), slot=slot)
+        gens[mode] = engine.start(prompt, _mode_params(mode, new_tokens, seed), slot=slot)
         engine.step([gens[mode]])  # the prefill, not timed
     times: dict[tuple[str, int], list[float]] = {m: [] for m in modes}
     live = list(modes)
