@@ -129,13 +129,13 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                 if stepwise else {mode: _stepped(engine, prompts[0], [mode], new_tokens,
                                                  seed=seed)[mode] for mode in modes}
             for mode, (run, ts) in runs.items():
-                if run is not None:
+                if run is not None:  # (verify-only modes make no tokens of their own)
                     made[mode] += len(run.tokens) - 1
                     plain = plain or run.tokens  # the first generation is plain decoding's
                     identical &= run.tokens == plain
-                if mode[0] == "adaptive" and run is not None:
+                if run is not None and mode[0] == "adaptive":
                     k_hist.update(run.stats.k_hist)
-                    if r == 0:
+                    if r == 0:  # the policy as it was loaded
                         out["adaptive_first_round_tokens_per_s"] = (len(run.tokens) - 1) / sum(ts)
                 times[mode] += ts
                 by_round[mode].append(statistics.median(ts))
