@@ -133,10 +133,11 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
                     made[mode] += len(run.tokens) - 1
                     plain = plain or run.tokens  # the first generation is plain decoding's
                     identical &= run.tokens == plain
-                if run is not None and mode[0] == "adaptive":
-                    k_hist.update(run.stats.k_hist)
-                    if r == 0:  # the policy as it was loaded
-                        out["adaptive_first_round_tokens_per_s"] = (len(run.tokens) - 1) / sum(ts)
+                    if mode[0] == "adaptive":
+                        k_hist.update(run.stats.k_hist)
+                        if r == 0:  # the policy as it was loaded
+                            out["adaptive_first_round_tokens_per_s"] = \
+                                (len(run.tokens) - 1) / sum(ts)
                 times[mode] += ts
                 by_round[mode].append(statistics.median(ts))
     assert plain is not None
@@ -217,10 +218,9 @@ def bench_modes(ks: list[int]) -> list[tuple[str, int]]:
 
 def _mode_params(mode: tuple[str, int], new_tokens: int, seed: int | None = None) -> GenParams:
     kind, k = mode
-    if kind == "adaptive":
-        return _params(new_tokens, seed=seed)
-    return _params(new_tokens, speculative=False, seed=seed) if kind == "plain" else \
-        _params(new_tokens, k=k if kind == "k" else 0, seed=seed)
+    kinds: dict[str, dict[str, Any]] = {"plain": {"speculative": False}, "k": {"k": k},
+                                        "verify": {"k": 0}, "adaptive": {}}
+    return _params(new_tokens, seed=seed, **kinds[kind])
 
 
 def _mode_name(mode: tuple[str, int]) -> str:
