@@ -441,9 +441,11 @@ def _peer_line(p: dict[str, Any], plain: float, best: float) -> str:
                      f"best K {best / theirs:.2f}x);")
     parts.append(f"plain --no-repack {p['plain_no_repack_tokens_per_s']:.1f};")
     if "mtp_tokens_per_s" in p:
+        how = "" if p.get("mtp_repack", True) else \
+            f"; with --no-repack, its repacked weights failed: {p.get('mtp_repack_error')}"
         parts.append(f"draft-mtp {p['mtp_tokens_per_s']:.1f} tokens/s "
                      f"({p.get('mtp_tokens_per_step', 0):.2f} tokens/step; best K ours "
-                     f"{best / p['mtp_tokens_per_s']:.2f}x)")
+                     f"{best / p['mtp_tokens_per_s']:.2f}x{how})")
     elif "mtp_error" in p:
         parts.append(f"draft-mtp unavailable ({p['mtp_error']})")
     return " ".join(parts)
