@@ -150,11 +150,10 @@ def peer_steps(binary: Path, gguf: Path, prompt: list[int], new_tokens: int, *, 
 def _drafting(binary: Path, gguf: Path, prompt: list[int], new_tokens: int, *, threads: int,
               context: int, spec: list[str]) -> tuple[dict[str, Any], str | None]:
     """llama-server's timings drafting as `spec` says, as a user would run it: with its
-    default weight repacking (which on a CPU without AMX, such as an EPYC Zen 4, drafted
-    11.0 tokens/s where `--no-repack` drafted 9.8), else with `--no-repack` where the
-    repacked weights fail (on AMX CPUs they crash on any batch of more than one token). The
-    timings, and why the repacked run failed (None where it ran). A model that cannot draft
-    (no MTP module) raises PeerError."""
+    default weight repacking, else with `--no-repack` where the repacked weights fail (on
+    AMX CPUs they crash on any batch of more than one token). The timings, and why the
+    repacked run failed (None where it ran). A model that cannot draft (no MTP module)
+    raises PeerError."""
     try:
         with LlamaServer(binary, gguf, threads=threads, context=context, extra=spec) as server:
             return server.complete_timed(prompt, new_tokens)[1], None
