@@ -3,6 +3,7 @@ own whatever the batch and threads, and what runs where they cannot."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -182,6 +183,50 @@ def test_the_compiled_kernels_are_kept_and_reused(tmp_path: Path) -> None:
     stamp = built[0].stat().st_mtime_ns
     assert _status_in(env)[0] == "vnni"
     assert built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.fixture(scope="module")
+def amx_emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """wq.c built with its AMX instructions carried out in C (tests/amx_emulated.c), its AMX
+    kernels on from the start."""
+    out = tmp_path_factory.mktemp("amx") / "wq_amx_emulated.so"
+    rows_c = next(s for s in native.SOURCES if s.name == "rows.c")  # wq.c's argmax_lse
+    done = subprocess.run([os.environ.get("CC") or "cc", *native.FLAGS, "-o", str(out),
+                           str(Path(__file__).with_name("amx_emulated.c")), str(rows_c)],
+                          capture_output=True, text=True, timeout=300)
+    if "lacks the AMX intrinsics" in done.stderr:
+        pytest.skip("this C compiler has no AMX intrinsics, so wq.c has no AMX kernels")
+    assert done.returncode == 0, done.stderr
+    lib = ctypes.CDLL(str(out))
+    lib.wq_emulate_amx()
+    lib.wq_linear.restype = ctypes.c_int
+    lib.wq_linear.argtypes = native.kernels()._linear.argtypes
+    return lib
+
+
+@needs_vnni
+@pytest.mark.parametrize("mode", MODES)
+# tiles 13 (an odd last one: int4 stores tiles by pairs), 5 and 3 (a partial last one), 1;
+# activation groups of 128 (two, six: four and two at a time), 64 and 32
+@pytest.mark.parametrize("shape", [(200, 256), (75, 768), (33, 64), (16, 96)])
+@pytest.mark.parametrize("rows", [3, 5, 16, 19])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_amx_kernels_give_the_vnni_kernels_bits(amx_emulated: ctypes.CDLL, mode: str,
+                                                     shape: tuple[int, int], rows: int,
+                                                     threads: int) -> None:
+    """wq.c's AMX kernels, their instructions emulated, on calls of as many rows as run on
+    AMX tiles (int4 from 5, int8 from 3; int8 under 16 rows one group at a time): the bits
+    of the kernels this CPU runs (VPDPBUSD, or AMX where it has it). Fewer rows stay on
+    VPDPBUSD there too. So wherever the weights' layout changes, the AMX kernels are checked
+    on any CPU, not only on one with AMX."""
+    layer, _ = _layer(mode, *shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = torch.empty(rows, shape[0], dtype=torch.bfloat16)
+    assert amx_emulated.wq_linear(layer.packed.data_ptr(), 4 if mode == "int4" else 8,
+                                  shape[0], shape[1], layer.native_group,
+                                  layer.bias32.data_ptr(), x.data_ptr(), got.data_ptr(),
+                                  rows, 1, threads) == 0
+    assert torch.equal(got, layer(x))
 
 
 def _attention_case(dtype: torch.dtype, seed: int = 0, dim: int = 128,

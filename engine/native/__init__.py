@@ -46,7 +46,7 @@ Pending = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 SOURCES = tuple(Path(__file__).with_name(f"{name}.c")
                 for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows"))
-HEADERS = (Path(__file__).with_name("vecmath.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("tiles.h", "vecmath.h"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC", "-lm")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")

@@ -17,7 +17,7 @@ offsets. */
 #include <stdint.h>
 #include <string.h>
 
-#define TILE 16
+#include "tiles.h"
 
 static inline __m512 load16(const void *w, int64_t i, int bf16) {
     if (!bf16)
@@ -81,15 +81,16 @@ static inline uint16_t half(float x) {
 /* w [N, K] (fp32, or bf16 when bf16 != 0, rows contiguous) as `bits` (4 or 8) codes with
    activation groups of G inputs (G a multiple of 32 dividing K) into out [ceil(N / 16),
    K / G, block] (block = G * 8 (int4) or G * 16 (int8) bytes of codes, then 16 fp16 scales
-   and 16 fp16 offsets). Returns 0, or -1 for arguments it does not take. */
+   and 16 fp16 offsets; int4 tiles by pairs: tiles.h). Returns 0, or -1 for arguments it
+   does not take. */
 int wq_encode(const void *w, int bf16, int64_t N, int64_t K, int bits, int64_t G,
               uint8_t *out, int threads) {
     if ((bits != 4 && bits != 8) || G <= 0 || G % 32 || K % G || G > 256 || N <= 0)
         return -1;
     const int64_t groups = K / G, tiles = (N + TILE - 1) / TILE;
-    const int64_t body = G * (bits == 4 ? 8 : 16), block = body + 4 * TILE;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
     for (int64_t t = 0; t < tiles; t++) {
+        const Tile tl = tile_at(out, bits, tiles, groups, G, t);
         uint8_t q[256];
         float row_scale[TILE];
         for (int c = 0; c < TILE; c++) {
@@ -97,13 +98,13 @@ int wq_encode(const void *w, int bf16, int64_t N, int64_t K, int bits, int64_t G
             row_scale[c] = bits == 8 && n < N ? int8_scale(w, bf16, n * K, K) : 0.0f;
         }
         for (int64_t g = 0; g < groups; g++) {
-            uint8_t *dst = out + (t * groups + g) * block;
-            uint16_t *sm = (uint16_t *)(dst + body);
+            uint8_t *dst = (uint8_t *)tl.p + g * tl.gs;  /* vector j at dst + j * tl.vs */
+            uint16_t *sm = (uint16_t *)(dst + tl.so);
             for (int c = 0; c < TILE; c++) {
                 const int64_t n = t * TILE + c;
                 if (n >= N) {  /* padding: zero codes, scales and offsets */
-                    for (int64_t j = 0; j < body / 64; j++)
-                        memset(dst + j * 64 + c * 4, 0, 4);
+                    for (int64_t j = 0; j < G / (bits == 4 ? 8 : 4); j++)
+                        memset(dst + j * tl.vs + c * 4, 0, 4);
                     sm[c] = sm[TILE + c] = 0;
                     continue;
                 }
@@ -114,7 +115,7 @@ int wq_encode(const void *w, int bf16, int64_t N, int64_t K, int bits, int64_t G
                     /* vector j, lane c, byte b: inputs 8j + b (low nibble), 8j + 4 + b */
                     for (int64_t j = 0; j < G / 8; j++)
                         for (int b = 0; b < 4; b++)
-                            dst[j * 64 + c * 4 + b] =
+                            dst[j * tl.vs + c * 4 + b] =
                                 (uint8_t)(q[8 * j + b] | q[8 * j + 4 + b] << 4);
                 } else {
                     s = row_scale[c];
@@ -122,7 +123,7 @@ int wq_encode(const void *w, int bf16, int64_t N, int64_t K, int bits, int64_t G
                     int8_group(w, bf16, at, G, s, q);
                     /* vector j, lane c, byte b: input 4j + b */
                     for (int64_t j = 0; j < G / 4; j++)
-                        memcpy(dst + j * 64 + c * 4, q + 4 * j, 4);
+                        memcpy(dst + j * tl.vs + c * 4, q + 4 * j, 4);
                 }
                 sm[c] = half(s);
                 sm[TILE + c] = half(m);
@@ -132,29 +133,31 @@ int wq_encode(const void *w, int bf16, int64_t N, int64_t K, int bits, int64_t G
     return 0;
 }
 
-/* A draft head's coarse 2-bit layout (wq.c) from its int4 one, `tiles` x `groups` blocks of G
-   inputs: each int4 code q becomes round(q / 5) (levels 0, 5, 10, 15 of the int4 code:
-   the group's range in four steps) and each scale s, 5 s (as fp16); the offsets stay. The
-   drafts' coarse pass finds candidates by it, which the int4 layout then scores exactly. */
+/* A draft head's coarse 2-bit layout (wq.c; tile by tile, where int4 tiles are by pairs:
+   tiles.h) from its int4 one, `tiles` x `groups` blocks of G inputs: each int4 code q
+   becomes round(q / 5) (levels 0, 5, 10, 15 of the int4 code: the group's range in four
+   steps) and each scale s, 5 s (as fp16); the offsets stay. The drafts' coarse pass finds
+   candidates by it, which the int4 layout then scores exactly. */
 void wq_coarse_from_int4(const uint8_t *w4, int64_t tiles, int64_t groups, int64_t G,
                          uint8_t *w2, int threads) {
     static const uint8_t level[16] = {0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3};
-    const int64_t body4 = G * TILE / 2, body2 = G * TILE / 4, sm = 4 * TILE;
+    const int64_t body2 = G * TILE / 4, sm = 4 * TILE;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t blk = 0; blk < tiles * groups; blk++) {
-        const uint8_t *in = w4 + blk * (body4 + sm);
+        const Tile tl = tile_at(w4, 4, tiles, groups, G, blk / groups);
+        const uint8_t *in = tl.p + blk % groups * tl.gs;  /* vector j at in + j * tl.vs */
         uint8_t *out = w2 + blk * (body2 + sm);
         for (int64_t j = 0; j < G / 16; j++)
             for (int c = 0; c < TILE; c++)
                 for (int b = 0; b < 4; b++) {
                     uint8_t byte = 0;
                     for (int i = 0; i < 4; i++) {  /* input 16j + 4i + b: int4 vector 2j + i / 2 */
-                        const uint8_t q = in[64 * (2 * j + i / 2) + 4 * c + b];
+                        const uint8_t q = in[tl.vs * (2 * j + i / 2) + 4 * c + b];
                         byte |= (uint8_t)(level[i % 2 ? q >> 4 : q & 15] << (2 * i));
                     }
                     out[64 * j + 4 * c + b] = byte;
                 }
-        const uint16_t *s4 = (const uint16_t *)(in + body4);
+        const uint16_t *s4 = (const uint16_t *)(in + tl.so);
         uint16_t *s2 = (uint16_t *)(out + body2);
         for (int c = 0; c < TILE; c++) {
             s2[c] = _cvtss_sh(5.0f * _cvtsh_ss(s4[c]), 0);

@@ -11,8 +11,8 @@ from torch import Tensor
 TILE = 16  # outputs a tile (wq.c's TILE)
 # The version of `pack`'s layout, which a quant cache of packed weights names (see
 # engine.model.quant.QuantCache): a change to the layout or to what wq.c reads from it gives
-# a new one.
-LAYOUT = 1
+# a new one. 2: int4 tiles by pairs, one stream (tiles.h).
+LAYOUT = 2
 GROUPS = (128, 64, 32)  # inputs an activation group: the largest that divides the width
 
 
@@ -24,10 +24,11 @@ def group_for(in_features: int) -> int | None:
 def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
     """wq.c's layout from engine.model.quant's codes: int4 codes [N, K / 2] (two a byte, low
     nibble first) with scales [N, K / group, 2] (scale, value of code 8); int8 codes [N, K]
-    with one scale a row. Returns uint8 [tiles, K / group, block]: each group's codes
-    (`body` bytes), then its 16 outputs' fp16 scales and offsets. Written into the result
-    in place, a pass over the codes or two (a first load packs every weight: Qwen3.5-2B's
-    1.9 GB of int8 codes took 13 s in five passes; a warm one maps the cache's layout)."""
+    with one scale a row. Returns uint8 [tiles, K / group, block], a block per tile and
+    group: its codes (`body` bytes), then its 16 outputs' fp16 scales and offsets; int4
+    tiles by pairs, their vectors by turns (tiles.h). Written into the result in place, a
+    pass over the codes or two (a first load packs every weight: Qwen3.5-2B's 1.9 GB of int8
+    codes took 13 s in five passes; a warm one maps the cache's layout)."""
     n = codes.shape[0]
     pad = -n % TILE
     tiles = (n + pad) // TILE
@@ -41,20 +42,28 @@ def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
         q = q.view(tiles, TILE, groups, group // 8, 2, 4).permute(0, 2, 3, 1, 5, 4)
         # [T, groups, j, lane, byte, nibble]: byte i of lane l, group row j, holds inputs
         # 8j + i (low nibble) and 8j + 4 + i (high)
-        out[..., :body].view(tiles, groups, group // 8, TILE, 4).copy_(
-            q[..., 0] | q[..., 1] << 4)
+        vectors = q[..., 0] | q[..., 1] << 4  # [T, groups, j, lane, byte]
         s, m = scales[..., 0], scales[..., 1] - 8 * scales[..., 0]  # w = q s + m
     else:
         u = codes.view(torch.uint8) ^ 0x80  # code + 128: w = (u - 128) s
         if pad:
             u = F.pad(u, (0, 0, 0, pad))
-        out[..., :body].view(tiles, groups, group // 4, TILE, 4).copy_(
-            u.view(tiles, TILE, groups, group // 4, 4).permute(0, 2, 3, 1, 4))
+        vectors = u.view(tiles, TILE, groups, group // 4, 4).permute(0, 2, 3, 1, 4)
         s = scales.float()[:, None].expand(n, groups)
         m = -128 * s
     sm = F.pad(torch.stack([s, m], dim=-1), (0, 0, 0, 0, 0, pad))  # [N', groups, 2]
     sm = sm.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).to(torch.float16)
-    out[..., body:].view(torch.float16).view(tiles, groups, 2, TILE).copy_(sm)
+    j = body // 64  # vectors a group
+    paired = tiles - tiles % 2 if mode == "int4" else 0
+    if paired:  # a pair's group: its two tiles' vectors by turns, then their scales
+        two = out[:paired].view(paired // 2, groups, 2 * (body + 4 * TILE))
+        two[..., :2 * body].view(paired // 2, groups, j, 2, TILE, 4).copy_(
+            vectors[:paired].view(paired // 2, 2, groups, j, TILE, 4).permute(0, 2, 3, 1, 4, 5))
+        two[..., 2 * body:].view(torch.float16).view(paired // 2, groups, 2, 2, TILE).copy_(
+            sm[:paired].view(paired // 2, 2, groups, 2, TILE).transpose(1, 2))
+    out[paired:, :, :body].view(tiles - paired, groups, j, TILE, 4).copy_(vectors[paired:])
+    out[paired:, :, body:].view(torch.float16).view(tiles - paired, groups, 2, TILE).copy_(
+        sm[paired:])
     return out
 
 

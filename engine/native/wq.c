@@ -16,8 +16,9 @@ values, int32 sums are exact in any order, and the float sums over groups run in
 order whatever the number of rows or which thread runs the tile. Batch size and position
 never change a bit.
 
-Layout (made by engine/native/__init__.py `pack`), one block per (tile of 16 outputs,
-group of G inputs), tiles outer:
+Layout (made by layout.py `pack` and encode.c `wq_encode`), one block per (tile of 16
+outputs, group of G inputs), tiles outer, int4 tiles by pairs (where each block's bytes are:
+tiles.h `tile_at`):
   int4: G/8 vectors of 64 bytes; lane c (output t*16+c), byte b of vector j holds
         q[k = g*G + 8j + b] in its low nibble and q[k + 4] in its high nibble;
   int8: G/4 vectors of 64 bytes; lane c, byte b of vector j holds q[k = g*G + 4j + b];
@@ -33,9 +34,8 @@ group of G inputs), tiles outer:
 #include <stdlib.h>
 #include <string.h>
 
+#include "tiles.h"
 #include "vecmath.h"
-
-#define TILE 16
 
 typedef int32_t __attribute__((may_alias)) quad; /* 4 activation codes */
 
@@ -47,10 +47,10 @@ typedef int32_t __attribute__((may_alias)) quad; /* 4 activation codes */
    reads 12.8) and, further on, into L2, so that memory keeps streaming while a call of
    several rows computes. A trunk's worth of int4 products by turns on the 2-core EPYC:
    2 KB into L1 alone gave 4 rows at 1.16-1.32x one row's time; 4 KB into L1 and 16 KB into
-   L2, 1.03-1.06x, and one row ~10% faster on one thread. A pair of tiles reads two streams
-   a tile apart, so there each stream fetches its own bytes ahead (`pair_rows`). int8 tiles
-   fetch into L1 alone: on the EPYC (Zen 5) the L2 fetches besides made 1 and 4 rows 10-15%
-   slower (Qwen2-1.5B's and Qwen3.5-2B's shapes, interleaved medians, DRAM-bound). */
+   L2, 1.03-1.06x, and one row ~10% faster on one thread. A pair of int4 tiles is one
+   stream (tiles.h), fetched into L1 alone (`pair_rows`). int8 tiles fetch into L1 alone:
+   on the EPYC (Zen 5) the L2 fetches besides made 1 and 4 rows 10-15% slower (Qwen2-1.5B's
+   and Qwen3.5-2B's shapes, interleaved medians, DRAM-bound). */
 #define PREFETCH_L1 4096
 #define PREFETCH_L2 16384
 
@@ -184,20 +184,22 @@ static inline __attribute__((always_inline)) void tile_rows(
         const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
         int64_t N, int64_t t, Top *top) {
-    const int64_t ng = K / G, block = G * TILE * bits / 8 + 4 * TILE;
+    const int64_t ng = K / G;
+    const Tile tl = tile_at(w, bits, (N + TILE - 1) / TILE, ng, G, t);
+    const int64_t vs = tl.vs;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 facc[MAX_ROWS];
     for (int r = 0; r < mr; r++) facc[r] = _mm512_setzero_ps();
-    const uint8_t *p = w + t * ng * block;
-    for (int64_t g = 0; g < ng; g++, p += block) {
+    const uint8_t *p = tl.p;
+    for (int64_t g = 0; g < ng; g++, p += tl.gs) {
         __m512i acc[MAX_ROWS], acc2[MAX_ROWS];  /* two chains: half the latency a group */
         for (int r = 0; r < mr; r++) acc[r] = acc2[r] = _mm512_setzero_si512();
         const int8_t *a0 = qa + r0 * K + g * G;
         if (bits == 4) {
             for (int64_t j = 0; j < G / 8; j++) {
-                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L2, _MM_HINT_T1);
-                __m512i v = _mm512_loadu_si512(p + 64 * j);
+                _mm_prefetch((const char *)p + vs * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + vs * j + PREFETCH_L2, _MM_HINT_T1);
+                __m512i v = _mm512_loadu_si512(p + vs * j);
                 __m512i lo = _mm512_and_si512(v, low);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int r = 0; r < mr; r++) {
@@ -211,9 +213,9 @@ static inline __attribute__((always_inline)) void tile_rows(
             __m512i acc3[MAX_ROWS], acc4[MAX_ROWS];
             for (int r = 0; r < mr; r++) acc3[r] = acc4[r] = _mm512_setzero_si512();
             for (int64_t j = 0; j < G / 16; j++) {
-                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L2, _MM_HINT_T1);
-                const __m512i v = _mm512_loadu_si512(p + 64 * j);
+                _mm_prefetch((const char *)p + vs * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + vs * j + PREFETCH_L2, _MM_HINT_T1);
+                const __m512i v = _mm512_loadu_si512(p + vs * j);
                 const __m512i c0 = _mm512_and_si512(v, two);
                 const __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v, 2), two);
                 const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), two);
@@ -230,10 +232,10 @@ static inline __attribute__((always_inline)) void tile_rows(
                 acc3[r], acc4[r]));
         } else {
             for (int64_t j = 0; j < G / 4; j += 2) {
-                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + 64 * j + 64 + PREFETCH_L1, _MM_HINT_T0);
-                __m512i v = _mm512_loadu_si512(p + 64 * j);
-                __m512i v2 = _mm512_loadu_si512(p + 64 * j + 64);
+                _mm_prefetch((const char *)p + vs * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + vs * j + vs + PREFETCH_L1, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512(p + vs * j);
+                __m512i v2 = _mm512_loadu_si512(p + vs * j + vs);
                 for (int r = 0; r < mr; r++) {
                     const quad *a = (const quad *)(a0 + r * K + 4 * j);
                     acc[r] = dpbusd_bcast(acc[r], v, a);
@@ -242,7 +244,7 @@ static inline __attribute__((always_inline)) void tile_rows(
             }
         }
         for (int r = 0; r < mr; r++) acc[r] = _mm512_add_epi32(acc[r], acc2[r]);
-        fold_group(facc, acc, mr, p + G * TILE * bits / 8, sa, ssum, r0 * ng + g, ng);
+        fold_group(facc, acc, mr, p + tl.so, sa, ssum, r0 * ng + g, ng);
     }
     store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16, top);
 }
@@ -254,35 +256,35 @@ static inline __attribute__((always_inline)) void tile_rows(
    Qwen2-1.5B's MLP and attention products 7-10% faster for 1, 2 and 4 rows than by single
    tiles with broadcasts in the instructions' operands (interleaved, medians of 25), bits
    unchanged: the same int32 sums, and the float sums over groups in the same order.
-   Each tile's stream fetches into L1 the line PREFETCH_L1 ahead of it in its own stream,
-   which past the tile's end is the same place in the next pair (tile t + 2 or t + 3, the
-   next this thread reads; after the last pair, bytes past the weights, a fetch the CPU drops
-   without a fault): a fixed distance ran tile t's fetches into tile t + 1, which the
-   other stream reads already, and left each tile's first 4 KB to demand misses. On the
-   2-core EPYC (Zen 5) that, with no L2 fetches besides, made one row 0-20% faster and four
-   rows 10-30% (Qwen2-1.5B's and Qwen3.5-2B's shapes, interleaved medians, DRAM-bound), four
-   rows now at 0.9-1.0x one row's time where they were at 1.0-1.14x. */
+   The pair is one stream of bytes in the order they are read (tiles.h), fetched into L1
+   PREFETCH_L1 ahead (past the pair's end, the next pair: the next this thread reads; after
+   the last, bytes past the weights, a fetch the CPU drops without a fault). The pair was two
+   streams a tile apart, each fetching its own bytes ahead (which on the 2-core EPYC Zen 5
+   made one row 0-20% faster and four rows 10-30% than one fetch distance for both). As one
+   stream, on the 2-core EPYC Zen 4 (Qwen3.5-2B's MLP and attention shapes, 321 MB from
+   DRAM, the two layouts by turns in one process, medians of 21): one thread, one row
+   0.90-0.93x the time and four rows 0.88-0.90x; two threads, 0.95x and 0.96x. Without the
+   software fetches one row gained a little more there (0.84-0.90x) and four rows lost (1.3x
+   slower than with them), so the fetches stay for every call. */
 static inline __attribute__((always_inline)) void pair_rows(
         const uint8_t *w, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
         int64_t N, int64_t t, Top *top) {
-    const int64_t ng = K / G, block = G * TILE / 2 + 4 * TILE;
+    const int64_t ng = K / G, body = G * TILE / 2;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 facc[2][PAIR_ROWS];
     for (int r = 0; r < mr; r++) facc[0][r] = facc[1][r] = _mm512_setzero_ps();
-    const int64_t tile_bytes = ng * block;
-    const uint8_t *p[2] = {w + t * tile_bytes, w + (t + 1) * tile_bytes};
-    for (int64_t g = 0; g < ng; g++, p[0] += block, p[1] += block) {
+    const uint8_t *p = w + t * ng * (body + 4 * TILE);  /* tile t's and t + 1's stream */
+    for (int64_t g = 0; g < ng; g++, p += 2 * (body + 4 * TILE)) {
         __m512i acc[2][PAIR_ROWS];
         for (int r = 0; r < mr; r++) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
         const int8_t *a0 = qa + r0 * K + g * G;
         for (int64_t j = 0; j < G / 8; j++) {
             __m512i lo[2], hi[2];
-            /* past the tile's end: a tile further on, to the next pair's same stream */
-            const int64_t skip = g * block + 64 * j + PREFETCH_L1 < tile_bytes ? 0 : tile_bytes;
+            _mm_prefetch((const char *)p + 128 * j + PREFETCH_L1, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 128 * j + 64 + PREFETCH_L1, _MM_HINT_T0);
             for (int u = 0; u < 2; u++) {
-                _mm_prefetch((const char *)p[u] + 64 * j + PREFETCH_L1 + skip, _MM_HINT_T0);
-                const __m512i v = _mm512_loadu_si512(p[u] + 64 * j);
+                const __m512i v = _mm512_loadu_si512(p + 128 * j + 64 * u);
                 lo[u] = _mm512_and_si512(v, low);
                 hi[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
@@ -296,7 +298,7 @@ static inline __attribute__((always_inline)) void pair_rows(
             }
         }
         for (int u = 0; u < 2; u++)
-            fold_group(facc[u], acc[u], mr, p[u] + G * TILE / 2, sa, ssum, r0 * ng + g, ng);
+            fold_group(facc[u], acc[u], mr, p + 2 * body + 64 * u, sa, ssum, r0 * ng + g, ng);
     }
     for (int u = 0; u < 2; u++)
         store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16, top);
@@ -369,21 +371,22 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_chain(
         int64_t N, int64_t t, Top *top) {
     const int kc = G < 64 ? (int)G : 64;
     if (amx_set != (mr << 8 | kc)) amx_configure(mr, kc);
-    const int64_t ng = K / G, body = G * TILE * bits / 8, block = body + 4 * TILE;
+    const int64_t ng = K / G;
+    const Tile tl = tile_at(w, bits, (N + TILE - 1) / TILE, ng, G, t);
     const __m512i low = _mm512_set1_epi8(0x0f);
     uint8_t split[1024] __attribute__((aligned(64)));
     int32_t sums[AMX_ROWS * TILE] __attribute__((aligned(64)));
     __m512 facc[AMX_ROWS];
     __m512i acc[AMX_ROWS];
     for (int r = 0; r < mr; r++) facc[r] = _mm512_setzero_ps();
-    const uint8_t *p = w + t * ng * block;
-    for (int64_t g = 0; g < ng; g++, p += block) {
+    const uint8_t *p = tl.p;
+    for (int64_t g = 0; g < ng; g++, p += tl.gs) {
         const int8_t *a0 = qa + r0 * K + g * G;
         _tile_zero(0);
         for (int64_t c = 0; c < G / kc; c++) {  /* kc inputs a B tile */
             if (bits == 4) {
                 for (int j = 0; j < kc / 8; j++) {
-                    const uint8_t *v8 = p + 64 * (kc / 8 * c + j);
+                    const uint8_t *v8 = p + tl.vs * (kc / 8 * c + j);
                     _mm_prefetch((const char *)v8 + PREFETCH_L1, _MM_HINT_T0);
                     _mm_prefetch((const char *)v8 + PREFETCH_L2, _MM_HINT_T1);
                     const __m512i v = _mm512_loadu_si512(v8);
@@ -403,19 +406,19 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_chain(
         }
         _tile_stored(0, sums, 64);
         for (int r = 0; r < mr; r++) acc[r] = _mm512_load_si512(sums + TILE * r);
-        fold_group(facc, acc, mr, p + body, sa, ssum, r0 * ng + g, ng);
+        fold_group(facc, acc, mr, p + tl.so, sa, ssum, r0 * ng + g, ng);
     }
     store_tile(y, facc, mr, r0, N, t * TILE, bias, bf16, top);
 }
 
-/* An int4 B tile: the 64-byte vectors of kc inputs at v split into their low and high
-   nibbles in buf, which then holds the tile's rows (inputs 8j + b, then 8j + 4 + b). Each
-   vector fetches into L1 the line PREFETCH_L1 ahead of it, `skip` further on. */
-static inline void amx_split(const uint8_t *v, int kc, uint8_t *buf, int64_t skip) {
+/* An int4 B tile: the 64-byte vectors of kc inputs at v, vs bytes apart, split into their
+   low and high nibbles in buf, which then holds the tile's rows (inputs 8j + b, then
+   8j + 4 + b). Each vector fetches into L1 the line PREFETCH_L1 ahead of it. */
+static inline void amx_split(const uint8_t *v, int64_t vs, int kc, uint8_t *buf) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int j = 0; j < kc / 8; j++) {
-        _mm_prefetch((const char *)v + 64 * j + PREFETCH_L1 + skip, _MM_HINT_T0);
-        const __m512i x = _mm512_loadu_si512(v + 64 * j);
+        _mm_prefetch((const char *)v + vs * j + PREFETCH_L1, _MM_HINT_T0);
+        const __m512i x = _mm512_loadu_si512(v + vs * j);
         _mm512_store_si512(buf + 128 * j, _mm512_and_si512(x, low));
         _mm512_store_si512(buf + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(x, 4), low));
     }
@@ -427,19 +430,22 @@ static inline void amx_split(const uint8_t *v, int kc, uint8_t *buf, int64_t ski
 #define AMX_AHEAD 4
 #define AMX_RING 8
 
-/* `tile_rows` by AMX for tiles t .. t + nt - 1 (nt: 1, or 2 as `pair_rows` takes them, two
-   streams of weights), mr <= AMX_ROWS rows: four C tiles in flight (per tile, four groups
-   or two at a time), so that four chains of TDPBSUD run side by side (one accumulator made
-   each product wait for the one before, then its sums' store and reload); the A tiles
-   alternate, the B tiles by stream. Each tile's groups fold in their order. */
+/* `tile_rows` by AMX for tiles t .. t + nt - 1 (nt: 1, or 2 as `pair_rows` takes them),
+   mr <= AMX_ROWS rows: four C tiles in flight (per tile, four groups or two at a time), so
+   that four chains of TDPBSUD run side by side (one accumulator made each product wait for
+   the one before, then its sums' store and reload); the A tiles alternate, the B tiles by
+   tile. Each tile's groups fold in their order. */
 __attribute__((target("amx-tile,amx-int8"))) static void amx_tiles(
         const uint8_t *w, int bits, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, int mr, const float *bias, void *y, int bf16,
         int64_t N, int64_t t, int nt, Top *top) {
     const int kc = G < 64 ? (int)G : 64;
     if (amx_set != (mr << 8 | kc)) amx_configure(mr, kc);
-    const int64_t ng = K / G, body = G * TILE * bits / 8, block = body + 4 * TILE;
-    const int64_t tile_bytes = ng * block, chunk_bytes = 16 * kc * bits / 8;
+    const int64_t ng = K / G, tile_bytes = ng * (G * TILE * bits / 8 + 4 * TILE);
+    const Tile tl[2] = {tile_at(w, bits, (N + TILE - 1) / TILE, ng, G, t),
+                        tile_at(w, bits, (N + TILE - 1) / TILE, ng, G, t + 1)};
+    /* a chunk of kc inputs: kc / 8 (int4) or kc / 4 (int8) vectors */
+    const int64_t gs = tl[0].gs, chunk_bytes = kc * bits / 32 * tl[0].vs;
     /* B tiles in order q: group, then chunk of kc inputs in it (G / kc: 1 or 2), then
        stream (nt: 1 or 2) */
     const int cs = G > kc, ns = nt == 2, per = nt == 2 ? 2 : 4;  /* groups a pass */
@@ -450,11 +456,11 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_tiles(
     __m512i acc[AMX_ROWS];
     for (int u = 0; u < nt; u++)
         for (int r = 0; r < mr; r++) facc[u][r] = _mm512_setzero_ps();
-    const uint8_t *p[2] = {w + t * tile_bytes, w + (t + 1) * tile_bytes};
-#define OFFSET(q) (((q) >> (cs + ns)) * block + (((q) >> ns) & cs) * chunk_bytes)
+    /* int8: two streams a tile apart (each fetches past its tile's end into the next pair's
+       same stream); int4: a pair of tiles is one stream (tiles.h) */
+#define OFFSET(q) (((q) >> (cs + ns)) * gs + (((q) >> ns) & cs) * chunk_bytes)
 #define SKIP(off) (ns && (off) + PREFETCH_L1 >= tile_bytes ? tile_bytes : 0)
-#define SPLIT(q) do { const int64_t o_ = OFFSET(q); \
-        amx_split(p[(q) & ns] + o_, kc, ring[(q) % AMX_RING], SKIP(o_)); } while (0)
+#define SPLIT(q) amx_split(tl[(q) & ns].p + OFFSET(q), tl[0].vs, kc, ring[(q) % AMX_RING])
     if (bits == 4)
         for (int64_t q = 0; q < AMX_AHEAD && q < Q; q++) SPLIT(q);
     const int8_t *a0 = qa + r0 * K;
@@ -477,7 +483,7 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_tiles(
                         b = ring[q % AMX_RING];
                     } else {
                         const int64_t off = OFFSET(q);
-                        b = p[u] + off;
+                        b = tl[u].p + off;
                         for (int j = 0; j < kc / 4; j++)
                             _mm_prefetch((const char *)b + 64 * j + PREFETCH_L1 + SKIP(off),
                                          _MM_HINT_T0);
@@ -499,7 +505,7 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_tiles(
             for (int u = 0; u < nt; u++) {
                 for (int r = 0; r < mr; r++)
                     acc[r] = _mm512_load_si512(sums[i * nt + u] + TILE * r);
-                fold_group(facc[u], acc, mr, p[u] + (g + i) * block + body, sa, ssum,
+                fold_group(facc[u], acc, mr, tl[u].p + (g + i) * gs + tl[u].so, sa, ssum,
                            r0 * ng + g + i, ng);
             }
     }
