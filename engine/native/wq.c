@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         int64_t N, int64_t t, Top *top) {
     const int64_t ng = K / G;
     const Tile tl = tile_at(w, bits, (N + TILE - 1) / TILE, ng, G, t);
-    const int64_t vs = tl.vs;
+    const int64_t vs = tl.vs;  /* int4's: 64 or 128; int8's and 2-bit's: 64 (tiles.h) */
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 facc[MAX_ROWS];
     for (int r = 0; r < mr; r++) facc[r] = _mm512_setzero_ps();
@@ -213,9 +213,9 @@ static inline __attribute__((always_inline)) void tile_rows(
             __m512i acc3[MAX_ROWS], acc4[MAX_ROWS];
             for (int r = 0; r < mr; r++) acc3[r] = acc4[r] = _mm512_setzero_si512();
             for (int64_t j = 0; j < G / 16; j++) {
-                _mm_prefetch((const char *)p + vs * j + PREFETCH_L1, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + vs * j + PREFETCH_L2, _MM_HINT_T1);
-                const __m512i v = _mm512_loadu_si512(p + vs * j);
+                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L2, _MM_HINT_T1);
+                const __m512i v = _mm512_loadu_si512(p + 64 * j);
                 const __m512i c0 = _mm512_and_si512(v, two);
                 const __m512i c1 = _mm512_and_si512(_mm512_srli_epi16(v, 2), two);
                 const __m512i c2 = _mm512_and_si512(_mm512_srli_epi16(v, 4), two);
@@ -232,10 +232,10 @@ static inline __attribute__((always_inline)) void tile_rows(
                 acc3[r], acc4[r]));
         } else {
             for (int64_t j = 0; j < G / 4; j += 2) {
-                _mm_prefetch((const char *)p + vs * j + PREFETCH_L1, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + vs * j + vs + PREFETCH_L1, _MM_HINT_T0);
-                __m512i v = _mm512_loadu_si512(p + vs * j);
-                __m512i v2 = _mm512_loadu_si512(p + vs * j + vs);
+                _mm_prefetch((const char *)p + 64 * j + PREFETCH_L1, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + 64 * j + 64 + PREFETCH_L1, _MM_HINT_T0);
+                __m512i v = _mm512_loadu_si512(p + 64 * j);
+                __m512i v2 = _mm512_loadu_si512(p + 64 * j + 64);
                 for (int r = 0; r < mr; r++) {
                     const quad *a = (const quad *)(a0 + r * K + 4 * j);
                     acc[r] = dpbusd_bcast(acc[r], v, a);
