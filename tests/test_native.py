@@ -200,7 +200,8 @@ def amx_emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     lib.wq_emulate_amx()
     lib.wq_linear.restype = ctypes.c_int
-    lib.wq_linear.argtypes = native.kernels()._linear.argtypes
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int  # wq.c `wq_linear`'s
+    lib.wq_linear.argtypes = [ptr, c_int, i64, i64, i64, ptr, ptr, ptr, i64, c_int, c_int]
     return lib
 
 

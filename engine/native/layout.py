@@ -53,18 +53,26 @@ def pack(mode: str, codes: Tensor, scales: Tensor, group: int) -> Tensor:
         m = -128 * s
     sm = F.pad(torch.stack([s, m], dim=-1), (0, 0, 0, 0, 0, pad))  # [N', groups, 2]
     sm = sm.view(tiles, TILE, groups, 2).permute(0, 2, 3, 1).to(torch.float16)
-    j = body // 64  # vectors a group
-    paired = tiles - tiles % 2 if mode == "int4" else 0
-    if paired:  # a pair's group: its two tiles' vectors by turns, then their scales
-        two = out[:paired].view(paired // 2, groups, 2 * (body + 4 * TILE))
-        two[..., :2 * body].view(paired // 2, groups, j, 2, TILE, 4).copy_(
-            vectors[:paired].view(paired // 2, 2, groups, j, TILE, 4).permute(0, 2, 3, 1, 4, 5))
-        two[..., 2 * body:].view(torch.float16).view(paired // 2, groups, 2, 2, TILE).copy_(
-            sm[:paired].view(paired // 2, 2, groups, 2, TILE).transpose(1, 2))
-    out[paired:, :, :body].view(tiles - paired, groups, j, TILE, 4).copy_(vectors[paired:])
-    out[paired:, :, body:].view(torch.float16).view(tiles - paired, groups, 2, TILE).copy_(
-        sm[paired:])
+    width = 2 if mode == "int4" else 1  # tiles a stream (tiles.h)
+    paired = tiles - tiles % width
+    _by_streams(out[:paired], vectors[:paired], sm[:paired], width)
+    _by_streams(out[paired:], vectors[paired:], sm[paired:], 1)  # a last odd int4 tile
     return out
+
+
+def _by_streams(out: Tensor, vectors: Tensor, sm: Tensor, width: int) -> None:
+    """Tiles' vectors [T, groups, j, lane, byte] and fp16 scales and offsets [T, groups, 2,
+    lane] into out [T, groups, block], `width` tiles a stream: a stream's group holds its
+    tiles' vectors by turns, then their scales (tiles.h)."""
+    tiles, groups, j = vectors.shape[:3]
+    if not tiles:
+        return
+    body = j * 64
+    streams = out.view(tiles // width, groups, width * (body + 4 * TILE))
+    streams[..., :width * body].view(-1, groups, j, width, TILE, 4).copy_(
+        vectors.view(-1, width, groups, j, TILE, 4).permute(0, 2, 3, 1, 4, 5))
+    streams[..., width * body:].view(torch.float16).view(-1, groups, width, 2, TILE).copy_(
+        sm.view(-1, width, groups, 2, TILE).transpose(1, 2))
 
 
 def reference(mode: str, codes: Tensor, scales: Tensor, group: int, x: Tensor,
