@@ -280,7 +280,12 @@ static inline __attribute__((always_inline)) void tile_rows(
    DRAM, the two layouts by turns in one process, medians of 21): one thread, one row
    0.90-0.93x the time and four rows 0.88-0.90x; two threads, 0.95x and 0.96x. Without the
    software fetches one row gained a little more there (0.84-0.90x) and four rows lost (1.3x
-   slower than with them), so the fetches stay for every call. */
+   slower than with them), so the fetches stay for every call. Calls of three and four rows
+   (a verify of two and three drafts), whose loops VPDPBUSD bounds more than memory does, also
+   fetch PREFETCH_L2 ahead into L2: on the Zen 4, Qwen3.5-2B's K=2 and K=3 steps by turns in
+   one process ran 0.92-0.93x the time on one thread and 0.94-0.96x on two. One and two rows
+   do not: there the L2 fetches made one row's products 4% slower and two rows' 20% (the K=1
+   step 1.13x). 32 KB ahead was the same as 16; 8 KB worse. */
 static inline __attribute__((always_inline)) void pair_rows(
         const uint8_t *w, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
@@ -298,6 +303,10 @@ static inline __attribute__((always_inline)) void pair_rows(
             __m512i lo[2], hi[2];
             _mm_prefetch((const char *)p + 128 * j + PREFETCH_L1, _MM_HINT_T0);
             _mm_prefetch((const char *)p + 128 * j + 64 + PREFETCH_L1, _MM_HINT_T0);
+            if (mr > 2) {  /* and into L2 further on: see above */
+                _mm_prefetch((const char *)p + 128 * j + PREFETCH_L2, _MM_HINT_T1);
+                _mm_prefetch((const char *)p + 128 * j + 64 + PREFETCH_L2, _MM_HINT_T1);
+            }
             for (int u = 0; u < 2; u++) {
                 const __m512i v = _mm512_loadu_si512(p + 128 * j + 64 * u);
                 lo[u] = _mm512_and_si512(v, low);
