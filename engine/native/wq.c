@@ -290,12 +290,15 @@ static inline __attribute__((always_inline)) void pair_rows(
         const uint8_t *w, int64_t K, int64_t G, const int8_t *qa, const float *sa,
         const float *ssum, int64_t r0, const int mr, const float *bias, void *y, int bf16,
         int64_t N, int64_t t, Top *top) {
-    const int64_t ng = K / G, body = G * TILE / 2;
+    const int64_t ng = K / G;
+    /* tile t's and t + 1's stream: their vectors by turns, 128 bytes a pair of them (a
+       constant in the loop), then tile t's scales and t + 1's */
+    const Tile tl = tile_at(w, 4, (N + TILE - 1) / TILE, ng, G, t);
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 facc[2][PAIR_ROWS];
     for (int r = 0; r < mr; r++) facc[0][r] = facc[1][r] = _mm512_setzero_ps();
-    const uint8_t *p = w + t * ng * (body + 4 * TILE);  /* tile t's and t + 1's stream */
-    for (int64_t g = 0; g < ng; g++, p += 2 * (body + 4 * TILE)) {
+    const uint8_t *p = tl.p;
+    for (int64_t g = 0; g < ng; g++, p += tl.gs) {
         __m512i acc[2][PAIR_ROWS];
         for (int r = 0; r < mr; r++) acc[0][r] = acc[1][r] = _mm512_setzero_si512();
         const int8_t *a0 = qa + r0 * K + g * G;
@@ -327,7 +330,7 @@ static inline __attribute__((always_inline)) void pair_rows(
             }
         }
         for (int u = 0; u < 2; u++)
-            fold_group(facc[u], acc[u], mr, p + 2 * body + 64 * u, sa, ssum, r0 * ng + g, ng);
+            fold_group(facc[u], acc[u], mr, p + tl.so + 64 * u, sa, ssum, r0 * ng + g, ng);
     }
     for (int u = 0; u < 2; u++)
         store_tile(y, facc[u], mr, r0, N, (t + u) * TILE, bias, bf16, top);
