@@ -102,7 +102,12 @@ static inline void store_scores(__m512 sums, int r, int64_t t0, int64_t nk, cons
    model made it (bf16, not yet scaled), k the cache's bf16 keys. 16 keys at a time, a row's
    16 sums summed by sum16 and then scaled: a score's arithmetic is its own row's and key's
    whatever else the tile holds. Half the instructions of the fp32 path's scores, and no key
-   converted to fp32. Row r's score of key lo[r] + i goes to scores[r * stride + i]. */
+   converted to fp32. The keys are fetched ahead, a block into L1 and the next into L2 (the
+   keys from memory, Qwen2-1.5B's shapes over 2,000 keys, one thread on the EPYC Zen 4: one
+   position 0.78x the time without, four 0.92x; a decode step of those shapes at 2,000
+   tokens of context 0.98-0.99x; fetching further ahead did worse, and so did fetching the
+   values here for their pass). Row r's score of key lo[r] + i goes to
+   scores[r * stride + i]. */
 __attribute__((target("avx512bf16"))) static void scores_bf16(
         const uint16_t *qb, const int64_t *lo, const int64_t *n, int rows, const uint16_t *k,
         int64_t D, int64_t ring, float scale, float *scores, int64_t stride, int64_t first,
@@ -112,6 +117,9 @@ __attribute__((target("avx512bf16"))) static void scores_bf16(
         const int64_t nk = longest - t0 < 16 ? longest - t0 : 16;
         const uint16_t *key[16];
         block_keys(k, D, ring, t0, nk, key);
+        /* the next block's keys into L1 and the one after it into L2 */
+        for (int64_t t = t0 + AHEAD; t < t0 + 3 * AHEAD && t < longest; t++)
+            fetch_row(k, t, ring, D, 1, t >= t0 + 2 * AHEAD);
         for (int r = 0; r < rows; r++) {
             if (t0 + 15 < lo[r] || t0 >= n[r]) continue;  /* none of the row's keys */
             __m512 acc[16];
