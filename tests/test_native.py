@@ -242,21 +242,24 @@ def _attention_case(dtype: torch.dtype, seed: int = 0, dim: int = 128,
 
 
 @needs_vnni
-@pytest.mark.parametrize(("dtype", "dot", "amx"), [(torch.float32, False, False),
-                                                   (torch.bfloat16, False, False),
-                                                   (torch.bfloat16, True, False),
-                                                   (torch.bfloat16, True, True)],
-                         ids=["fp32", "bf16", "bf16-dot-products", "bf16-amx-tiles"])
+@pytest.mark.parametrize(("dtype", "dot", "amx", "values"),
+                         [(torch.float32, False, False, False),
+                          (torch.bfloat16, False, False, False),
+                          (torch.bfloat16, True, False, False),
+                          (torch.bfloat16, True, False, True),
+                          (torch.bfloat16, True, True, False)],
+                         ids=["fp32", "bf16", "bf16-dot-products", "bf16-dot-values",
+                              "bf16-amx-tiles"])
 @pytest.mark.parametrize("dim", [128, 80])  # values 64 lanes at a time; 80: 64, then 16
 @pytest.mark.parametrize("heads", [(6, 2), (12, 2), (12, 1)])
 def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
-        dtype: torch.dtype, dot: bool, amx: bool, dim: int, heads: tuple[int, int],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        dtype: torch.dtype, dot: bool, amx: bool, values: bool, dim: int,
+        heads: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The ways of scoring bf16 keys: converted to fp32, by bf16 dot products where the CPU
-    has them (AVX512-BF16), and on AMX-BF16 tiles (the values too). A row alone (3, 6 or 12
-    query rows a kv head) and among 4 positions (12 rows, 24: AMX's tiles of 16 and 8, or
-    48: tiles of 32 and 16), scored 4, 2 and 1 rows at a time, their values 6, 4, 2 and 1:
-    the same bits.
+    has them (AVX512-BF16; the values too, as AMD's CPUs run them), and on AMX-BF16 tiles
+    (the values too). A row alone (3, 6 or 12 query rows a kv head) and among 4 positions
+    (12 rows, 24: AMX's tiles of 16 and 8, or 48: tiles of 32 and 16), scored 4, 2 and 1
+    rows at a time, their values 6, 4, 2 and 1: the same bits.
     And q as a projection makes it ([B, S, H, D] seen as [B, H, S, D]): the same bits,
     written in that layout."""
     from engine.model.attention import masked_attention
@@ -266,6 +269,7 @@ def test_attention_is_masked_attention_and_a_rows_bits_are_its_own(
     if amx and not native.kernels().amx_bf16:
         pytest.skip("this CPU has no AMX-BF16 tiles, or Linux did not grant them")
     monkeypatch.setattr(native.kernels(), "bf16_dot", dot)
+    monkeypatch.setattr(native.kernels(), "bf16_values", values)
     monkeypatch.setattr(native.kernels(), "amx_bf16", amx)
     cache_k, cache_v, q, pos = _attention_case(dtype, dim=dim, heads=heads)
     kernel = native

@@ -76,9 +76,12 @@ class Kernels:
         kv.restype = ctypes.c_int
         kv.argtypes = [ptr, ptr, *[i64] * 10, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 3]
         self._kv_write = kv
-        # attention's scores of bf16 queries and keys by bf16 dot products (attention.c)
+        # attention's scores of bf16 queries and keys by bf16 dot products (attention.c), and
+        # on AMD's CPUs its values (values_bf16): VDPBF16PS issues as often as an FMA there,
+        # half as often on the Intel Xeons, where fp32 values were faster (docs/benchmarks.md)
         flags = _cpu_flags() or frozenset()
         self.bf16_dot = "avx512_bf16" in flags
+        self.bf16_values = self.bf16_dot and _cpu_field("vendor_id") == "AuthenticAMD"
         self.amx = "amx_int8" in flags and os.environ.get("AHEAD_AMX", "1") != "0" \
             and lib.wq_amx_enable() == 1  # Linux grants the tile state
         # a bf16 attention on AMX tiles (attention.c scores_amx, values_amx) where bf16_dot runs
@@ -146,11 +149,11 @@ class Kernels:
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _dot(self, q: Tensor) -> int:
-        """How attention takes bf16 queries: 0 as fp32, 1 scored by AVX512-BF16 dot products,
-        2 scored and its values summed on AMX-BF16 tiles."""
+        """How attention takes bf16 queries: 0 as fp32; by AVX512-BF16 dot products its scores
+        (1), or its scores and values (3); on AMX-BF16 tiles both (2)."""
         if not (self.bf16_dot and q.dtype == torch.bfloat16):
             return 0
-        return 2 if self.amx_bf16 else 1
+        return 2 if self.amx_bf16 else 3 if self.bf16_values else 1
 
     def run_kv_write(self, cache_k: Tensor, cache_v: Tensor, k: Tensor, v: Tensor,
                      slots: Tensor, at: Tensor) -> bool:
@@ -208,14 +211,19 @@ class Kernels:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags (/proc/cpuinfo), or None where they cannot be read."""
+def _cpu_field(name: str) -> str | None:
+    """A field of the CPU's entry in /proc/cpuinfo ("flags", "vendor_id"); None if unreadable."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    return frozenset(line.split(":", 1)[-1].split())
+    line = next((ln for ln in info.splitlines() if ln.split(":", 1)[0].strip() == name), "")
+    return line.split(":", 1)[-1].strip()
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags, or None where they cannot be read."""
+    return None if (flags := _cpu_field("flags")) is None else frozenset(flags.split())
 
 
 def _missing_cpu_flags() -> list[str]:

@@ -471,7 +471,8 @@ void value_block_bf16(const uint16_t *pa, int64_t aw, int64_t t_start, const flo
 }
 
 /* The values of a tile whose scores were bf16 dot products (scores_bf16: bf16 keys and
-   values, D a multiple of 32), by bf16 dot products as well: each row's probabilities
+   values, D a multiple of 32), on AMD's CPUs (bf16_dot 3: see native/__init__.py; on the
+   Intel Xeons value_rows was faster), by bf16 dot products as well: each row's probabilities
    rounded to bf16, as torch's bf16 attention and values_amx round them, and two keys an
    instruction for 16 columns, where value_rows converts each value to fp32 and multiplies
    one key an FMA. On the EPYC Zen 4, one thread, keys in cache, against value_rows by turns
@@ -511,8 +512,8 @@ __attribute__((target("avx512bf16"))) static void values_bf16(
 static void attend_tile(const float *q, const uint16_t *qb, float scale, const int64_t *lo,
                         const int64_t *n, const int rows, const void *k, const void *v,
                         int64_t D, int64_t ring, int bf16, float *scores, int64_t stride,
-                        void *const *out, int obf16, float *kbuf, int amx, uint16_t *pa,
-                        int64_t aw) {
+                        void *const *out, int obf16, float *kbuf, int amx,
+                        int dot_values, uint16_t *pa, int64_t aw) {
     int64_t longest = 0, first = n[0], all_lo = 0, all_n = n[0];
     float *p[MAX_TILE];  /* p[r][t]: row r's probability of key t */
     for (int r = 0; r < rows; r++) {
@@ -574,7 +575,7 @@ static void attend_tile(const float *q, const uint16_t *qb, float scale, const i
         return;
     }
 #endif
-    if (qb) {
+    if (qb && dot_values) {
         values_bf16(p, inv, lo, n, rows, (const uint16_t *)v, D, ring, out, obf16, first,
                     longest, all_lo, all_n, pa, aw);
         return;
@@ -605,7 +606,8 @@ static void attend_tile(const float *q, const uint16_t *qb, float scale, const i
    (a sliding-window layer). With ring > 0 (then 0 < window <= ring <= kv_len), k and v are
    a ring: position t's key at entry t mod ring, and every row sees the last `window` of
    keys 0..pos. bf16_dot != 0 (the CPU has AVX512-BF16, and q holds bf16 values): with bf16
-   keys and D a multiple of 32, the scores by bf16 dot products (scores_bf16). Returns 0, or
+   keys and D a multiple of 32, the scores by bf16 dot products (scores_bf16), and the values
+   as well where bf16_dot is 3 (values_bf16) or on AMX tiles where it is 2. Returns 0, or
    -1 when scratch memory could not be had or the shapes are not ones this kernel takes. */
 int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
                      int64_t qsb, int64_t qsh, int64_t qss, int64_t osb, int64_t osh,
@@ -614,7 +616,8 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
                      int64_t kv_len, const int64_t *pos, void *out, int bf16, float scale,
                      int64_t window, int64_t ring, int threads, int bf16_dot) {
     if (D % 16 != 0 || D > 512 || H % Hkv != 0) return -1;
-    const int dot = bf16_dot && bf16 && D % 32 == 0, amx = dot && bf16_dot == 2;
+    const int dot = bf16_dot && bf16 && D % 32 == 0, amx = dot && bf16_dot == 2,
+              dot_values = dot && bf16_dot == 3;
     if (ring && (window <= 0 || window > ring || ring > kv_len)) return -1;
     const int64_t group = H / Hkv, rows_all = group * S, osize = qbf16 ? 2 : 4;
     const int64_t tiles = (rows_all + MAX_TILE - 1) / MAX_TILE;
@@ -674,8 +677,8 @@ int causal_attention(const void *q, int64_t B, int64_t H, int64_t S, int64_t D,
                     }
                     if (rows)
                         attend_tile(scaled, dot ? qb : NULL, scale, los, ns, rows, kh, vh, D,
-                                    ring, bf16, scores, kv_len + 32, outs, qbf16, kbuf, amx, pa,
-                                    aw);
+                                    ring, bf16, scores, kv_len + 32, outs, qbf16, kbuf, amx,
+                                    dot_values, pa, aw);
                 }
         free(scores);
     }
