@@ -470,6 +470,21 @@ void value_block_bf16(const uint16_t *pa, int64_t aw, int64_t t_start, const flo
     }
 }
 
+/* value_block_bf16 over all of D for RB rows: 64 lanes at a time, then 32. */
+__attribute__((target("avx512bf16"))) static inline __attribute__((always_inline))
+void value_rows_bf16(const uint16_t *pa, int64_t aw, int64_t t_start, const float *inv,
+                     int r0, const int RB, const int64_t *lo, const int64_t *n, int64_t first,
+                     int64_t longest, int64_t all_lo, int64_t all_n, const uint16_t *v,
+                     int64_t D, int64_t ring, void *const *out, int obf16) {
+    int64_t j0 = 0;
+    for (; j0 + 64 <= D; j0 += 64)
+        value_block_bf16(pa, aw, t_start, inv, r0, RB, j0, 2, lo, n, first, longest, all_lo,
+                         all_n, v, D, ring, out, obf16);
+    for (; j0 < D; j0 += 32)
+        value_block_bf16(pa, aw, t_start, inv, r0, RB, j0, 1, lo, n, first, longest, all_lo,
+                         all_n, v, D, ring, out, obf16);
+}
+
 /* The values of a tile whose scores were bf16 dot products (scores_bf16: bf16 keys and
    values, D a multiple of 32), on AMD's CPUs (bf16_dot 3: see native/__init__.py; on the
    Intel Xeons value_rows was faster), by bf16 dot products as well: each row's probabilities
@@ -486,21 +501,19 @@ __attribute__((target("avx512bf16"))) static void values_bf16(
         int64_t first, int64_t longest, int64_t all_lo, int64_t all_n, uint16_t *pa,
         int64_t aw) {
     const int64_t t_start = bf16_probabilities(p, lo, n, rows, first, longest, pa, aw);
-#define VALUE_ROWS_BF16(RB)                                                                  \
-    for (int64_t j0 = 0; j0 < D; j0 += 64) {                                                 \
-        if (j0 + 64 <= D)                                                                     \
-            value_block_bf16(pa, aw, t_start, inv, r0, RB, j0, 2, lo, n, first, longest,      \
-                             all_lo, all_n, v, D, ring, out, obf16);                          \
-        else                                                                                  \
-            value_block_bf16(pa, aw, t_start, inv, r0, RB, j0, 1, lo, n, first, longest,      \
-                             all_lo, all_n, v, D, ring, out, obf16);                          \
-    }
     int r0 = 0;
-    for (; r0 + 6 <= rows; r0 += 6) VALUE_ROWS_BF16(6)
-    for (; r0 + 4 <= rows; r0 += 4) VALUE_ROWS_BF16(4)
-    for (; r0 + 2 <= rows; r0 += 2) VALUE_ROWS_BF16(2)
-    for (; r0 < rows; r0++) VALUE_ROWS_BF16(1)
-#undef VALUE_ROWS_BF16
+    for (; r0 + 6 <= rows; r0 += 6)
+        value_rows_bf16(pa, aw, t_start, inv, r0, 6, lo, n, first, longest, all_lo, all_n, v,
+                        D, ring, out, obf16);
+    for (; r0 + 4 <= rows; r0 += 4)
+        value_rows_bf16(pa, aw, t_start, inv, r0, 4, lo, n, first, longest, all_lo, all_n, v,
+                        D, ring, out, obf16);
+    for (; r0 + 2 <= rows; r0 += 2)
+        value_rows_bf16(pa, aw, t_start, inv, r0, 2, lo, n, first, longest, all_lo, all_n, v,
+                        D, ring, out, obf16);
+    for (; r0 < rows; r0++)
+        value_rows_bf16(pa, aw, t_start, inv, r0, 1, lo, n, first, longest, all_lo, all_n, v,
+                        D, ring, out, obf16);
 }
 
 /* Up to MAX_TILE query rows of one kv head (q: `rows` rows of D floats, already times the
