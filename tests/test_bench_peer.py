@@ -80,8 +80,10 @@ def test_in_step_mode_the_peer_drafts_with_its_mtp_module_at_the_same_rates(
     """llama.cpp's own figures beside ours on the same shapes: its best plain decode
     (llama-bench), plain in llama-server (`--no-repack`) and draft-mtp as it runs best,
     drafts kept at the same synthetic rates as ours."""
-    peer, _ = _bench_steps_against(*qwen35, tmp_path / "bench.json")
+    peer, printed = _bench_steps_against(*qwen35, tmp_path / "bench.json")
     assert peer["plain_tokens_per_s"] > 0 and peer["plain_no_repack_tokens_per_s"] > 0
+    # its plain decode timed after as much context as ours (--context 48), not from none
+    assert peer["plain_depth"] == 48 and "after 48 tokens" in printed
     assert peer["mtp_tokens_per_s"] > 0
     # rates 0.9, 0.8 on two drafts: 1 + 0.9 + 0.72 = 2.6 tokens a step expected
     assert 1.8 < peer["mtp_tokens_per_step"] <= 3

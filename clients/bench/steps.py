@@ -437,7 +437,8 @@ def _peer_line(p: dict[str, Any], plain: float, best: float) -> str:
     parts = [f"peer {Path(p['model']).name}:"]
     if "plain_tokens_per_s" in p:
         theirs = p["plain_tokens_per_s"]
-        parts.append(f"plain {theirs:.1f} tokens/s (ours: plain {plain / theirs:.2f}x, "
+        parts.append(f"plain {theirs:.1f} tokens/s after {p.get('plain_depth', 0)} tokens "
+                     f"(ours: plain {plain / theirs:.2f}x, "
                      f"best K {best / theirs:.2f}x);")
     parts.append(f"plain --no-repack {p['plain_no_repack_tokens_per_s']:.1f};")
     if "mtp_tokens_per_s" in p:
