@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from engine import native
 from engine.model.codes import Packed, QuantError, QuantLinear, encode
 from engine.model.layers import Dense
+from engine.model.pages import place_weights
 from engine.model.transformer import Transformer
 from engine.native import encode as to_layout
 from engine.paths import checkpoint_identity, write_replacing
@@ -125,6 +126,8 @@ def quantize_model(model: Transformer, mode: str, cache: QuantCache | None = Non
         cache.write(key, entries, laid_out, draft_ids)
         if source is not None and source != cache.path(key, laid_out):
             source.unlink(missing_ok=True)  # superseded: everything it held is in the new one
+    del entries, stored  # their layouts: the ones `place_weights` frees as it copies them
+    place_weights(packed_weights(model).values())  # into 2 MB pages (model/pages.py)
     model.quant, model.draft_quant = mode, drafts
     return total
 
