@@ -114,7 +114,7 @@ def test_a_peer_model_without_an_mtp_module_says_it_cannot_draft(random_dir: Pat
     peer, _ = _bench_steps_against(random_dir, to_gguf(random_dir, tmp_path / "trunk.gguf"),
                                    tmp_path / "bench.json")
     assert peer["plain_no_repack_tokens_per_s"] > 0
-    assert "mtp_tokens_per_s" not in peer and peer["mtp_error"]
+    assert "mtp_tokens_per_s" not in peer and "MTP" in peer["mtp_error"]  # its own words
 
 
 @needs_peer

@@ -43,11 +43,13 @@ class LlamaServer:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
 
     def __enter__(self) -> LlamaServer:
         self._proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        threading.Thread(target=self._read, args=(self._proc,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
+        self._reader.start()
         if not self._ready.wait(self.start_timeout) or self._proc.poll() is not None:
             self.__exit__(None, None, None)
             raise PeerError("llama-server did not start:\n" + "\n".join(self.lines[-15:]))
@@ -69,6 +71,15 @@ class LlamaServer:
                 self._ready.set()
         self._ready.set()  # it exited: `__enter__` sees that
 
+    def _exited(self) -> str:
+        """Where the server has exited (it may listen before it loads the model, then fail
+        to): its last lines, which say why; else nothing."""
+        if self._proc is None or self._proc.poll() is None:
+            return ""
+        if self._reader is not None:
+            self._reader.join(10)  # its output read to the end
+        return "; it exited:\n" + "\n".join(self.lines[-15:])
+
     def complete(self, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
         """Greedy tokens after `ids`, the server's decode rate (tokens/s) and its decode
         steps (fewer than tokens where it drafts: `--spec-type`)."""
@@ -89,7 +100,7 @@ class LlamaServer:
             with urllib.request.urlopen(request, timeout=300) as resp:
                 answer: dict[str, Any] = json.load(resp)
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise PeerError(f"llama-server failed a completion: {e}") from None
+            raise PeerError(f"llama-server failed a completion: {e}{self._exited()}") from None
         try:
             float(answer["timings"]["predicted_per_second"])
             return list(answer["tokens"]), dict(answer["timings"])
