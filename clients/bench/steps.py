@@ -26,7 +26,7 @@ from engine.bundled import bundled_model_dir
 from engine.exec.calibration import warm_up
 from engine.generation import Generation
 from engine.model.assistant import Assistant
-from engine.model.pages import huge_bytes, huge_mapping
+from engine.model.pages import huge_bytes, huge_mapping, movable
 from engine.model.presets import ASSISTANTS, PRESETS
 from engine.model.quant import describe, drafts_only, packed_weights
 from engine.model.transformer import Transformer
@@ -188,9 +188,8 @@ def bench_steps(engine: Engine, *, context: int = 2000, new_tokens: int = 48,
     out["copy_gb_per_s"] = _copy_bandwidth(engine.device) / 1e9
     achieved = weight_bytes / (out["ar_step_ms"] / 1e3)
     out["weight_bandwidth_share"] = achieved / (out["copy_gb_per_s"] * 1e9)
-    placed = [p.packed for p in packed_weights(engine.model).values()
-              if p.native and p.packed.device.type == "cpu"]
-    if placed and (huge := huge_bytes(placed[0])) is not None:  # the mapping they share
+    placed = movable(packed_weights(engine.model).values())
+    if placed and (huge := huge_bytes(placed[0].packed)) is not None:  # the mapping they share
         out["weight_huge_page_mb"] = huge / 1e6
     return out
 

@@ -50,14 +50,19 @@ def huge_mapping(nbytes: int) -> Tensor | None:
     return whole[start:start + nbytes]
 
 
+def movable(weights: Iterable[Packed]) -> list[Packed]:
+    """Those of `weights` whose layout `place_weights` moves (our kernels', on the CPU), each
+    once."""
+    return list({id(p): p for p in weights if p.native and p.packed.device.type == "cpu"
+                 and p.packed.is_contiguous()}.values())
+
+
 def place_weights(weights: Iterable[Packed]) -> int:
-    """Every layout our kernels multiply by among `weights` (`Packed.native`, on the CPU)
-    moved into one `huge_mapping`; returns the bytes moved (0: none, or the mapping could
-    not be had)."""
+    """Every `movable` layout among `weights` moved into one `huge_mapping`; returns the
+    bytes moved (0: none, or the mapping could not be had)."""
     if os.environ.get("AHEAD_HUGE_PAGES", "1") == "0":
         return 0
-    packed = list({id(p): p for p in weights if p.native and p.packed.device.type == "cpu"
-                   and p.packed.is_contiguous()}.values())
+    packed = movable(weights)
     sizes = [-(-p.packed.nbytes // ALIGN) * ALIGN for p in packed]
     arena = huge_mapping(sum(sizes))
     if arena is None:
