@@ -89,15 +89,14 @@ def inspect(name: str, path: Path, options: dict[str, Any]) -> Found:
     heads = (path / HEADS_FILE).is_file()
     found.mtp = "none" if not n else f"{n} module{'s' * (n > 1)}" + (
         " (heads from ahead train --heads-only)" if heads else "")
-    device, dtype = options["device"], options["dtype"]
+    from engine.model.quant import resolve, run_dtype
+
+    device = options["device"]
+    kind = str(device).partition(":")[0]
+    found.quant = resolve(model, options["quant"], kind)  # the engine's rules
+    dtype = options["dtype"] or run_dtype(kind, found.quant)
     found.device, found.dtype = device, str(dtype).removeprefix("torch.")
     size = DTYPE_BYTES.get(found.dtype, 4)
-    found.quant = options["quant"]
-    if found.quant == "auto":  # the engine's rule, on its matmul weights in the run dtype
-        from engine.model.quant import auto_mode, matmul_bytes
-
-        loaded = matmul_bytes(model) // model.model.embed_tokens.weight.element_size() * size
-        found.quant = auto_mode(str(device).partition(":")[0], loaded)
     per = {"int8": 1.0, "int4": 0.5}.get(found.quant, size)
     found.weights_bytes = int(found.parameters * per)
     attention = sum(1 for kind in cfg.layer_types if kind == FULL) \

@@ -114,23 +114,24 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "cpu",
-             dtype: torch.dtype = torch.float32, max_seq_len: int = 4096, k_max: int = 8,
-             slots: int = 4, compile: bool | None = None, graphs: bool | None = None,
-             exact: bool | None = None, fixed_shapes: bool | None = None,
-             quant: str = "none", quant_cache: Path | None = None,
-             draft_vocab: int = reduced.SIZE, drafts: str = "both",
-             mtp: bool = True, draft_model: str | Path | None = None,
+             dtype: torch.dtype | None = torch.float32, max_seq_len: int = 4096,
+             k_max: int = 8, slots: int = 4, compile: bool | None = None,
+             graphs: bool | None = None, exact: bool | None = None,
+             fixed_shapes: bool | None = None, quant: str = "none",
+             quant_cache: Path | None = None, draft_vocab: int = reduced.SIZE,
+             drafts: str = "both", mtp: bool = True, draft_model: str | Path | None = None,
              rings: bool = True) -> Engine:
-        """`quant_cache`: for quantized codes (~/.cache/ahead/quant; calibrations beside it);
-        `mtp` False: the trunk without its MTP modules or draft model (drafts from the
-        context alone); `draft_model`: a Gemma 4 assistant (a directory or a name) drafting
+        """`dtype` None: the quantization's (quant.run_dtype); `quant_cache`: the codes' place
+        (~/.cache/ahead/quant; calibrations beside it); `mtp` False: the trunk alone (drafts
+        from the context); `draft_model`: a Gemma 4 assistant (a directory or a name) drafting
         in their place, by default `<name>-assistant` beside the model in the HF cache."""
         found = assistant_for(model_dir, draft_model) if mtp else None
         model_dir = resolve_model(model_dir)  # a directory, or a name in the HF cache
         t0 = time.perf_counter()
-        model = load_model(model_dir, device=device, dtype=dtype, mtp=mtp)
+        model = load_model(model_dir, device=device, dtype=dtype, mtp=mtp, quant=quant)
         if found is not None:
-            model.assistant = load_assistant(found, model.cfg, device=device, dtype=dtype)
+            model.assistant = load_assistant(found, model.cfg, device=device,
+                                             dtype=model.model.embed_tokens.weight.dtype)
         root = quant_cache.parent if quant_cache else cache_dir("")
         store = CalibrationStore.of_checkpoint(root / "calibration", Path(model_dir), model,
                                                quant=resolve(model, quant), slots=slots,

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import Engine, GenParams
 from engine.model.codes import Packed, QuantError, decode, encode
-from engine.model.quant import MODES, QuantCache, packed_weights, quantize_model, targets
+from engine.model.quant import (MODES, QuantCache, matmul_params, packed_weights,
+                                quantize_model, targets)
 from engine.model.weights import CheckpointError, load_model, save_model
 from tests.conftest import load_exact
 from tests.test_identity import run_batched
@@ -203,6 +204,48 @@ def test_a_warm_load_maps_the_kernels_layout_and_reads_no_weight_it_replaces(
         first.generate(prompt, GenParams(16, stop_loops=False)).tokens
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8", "auto"])
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_the_weights_codes_replace_are_loaded_as_stored_and_give_the_same_codes(
+        hybrid_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str,
+        stored: torch.dtype) -> None:
+    """A half-precision checkpoint run in fp32 and quantized: the weights the codes replace
+    stay in their stored dtype (a 2B model cast to fp32 first peaked at 11.7 GB and spent
+    21 s casting), everything else is fp32; `auto` decides as it would on fp32 weights, and
+    the codes and tokens are those of the weights cast to fp32 first."""
+    from engine.model import weights
+
+    monkeypatch.setattr("engine.model.quant.AUTO_PARAMS", 1)  # auto: int8 where kernels run
+    model_dir = tmp_path / "half"
+    save_model(load_model(hybrid_dir), model_dir, dtype=stored)
+    for f in hybrid_dir.glob("tokenizer*.json"):
+        (model_dir / f.name).write_bytes(f.read_bytes())
+    held = load_model(model_dir, quant=mode)
+    cast = load_model(model_dir)  # quant "none": every floating tensor in fp32
+    quantized = Engine.load(model_dir, quant=mode, quant_cache=tmp_path / "a",
+                            max_seq_len=128, draft_vocab=64)
+    linears = {f"{name}.weight" for name, m in held.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    if quantized.model.quant == "none":  # auto without our kernels: nothing is replaced
+        linears = set()
+    assert "model.layers.3.mlp.down_proj.weight" in linears or not linears
+    for name, t in held.state_dict().items():
+        if t.is_floating_point():
+            assert t.dtype == (stored if name in linears else torch.float32), name
+    assert matmul_params(held) == matmul_params(cast)  # what `auto` decides by
+    monkeypatch.setattr(weights, "replaced_weights", lambda *args: set())  # cast first
+    before = Engine.load(model_dir, quant=mode, quant_cache=tmp_path / "b", max_seq_len=128,
+                         draft_vocab=64)
+    got, want = packed_weights(quantized.model), packed_weights(before.model)
+    assert set(got) == set(want) and quantized.model.quant == before.model.quant
+    for name, p in got.items():
+        assert torch.equal(p.packed, want[name].packed), name
+        assert torch.equal(p.scales, want[name].scales), name
+    prompt = torch.randint(300, 396, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert quantized.generate(prompt, GenParams(16, stop_loops=False)).tokens == \
+        before.generate(prompt, GenParams(16, stop_loops=False)).tokens
+
+
 @needs_vnni
 def test_under_int8_the_drafts_run_in_int4_and_their_codes_come_back_from_the_cache(
         hybrid_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,6 +323,27 @@ def test_the_cli_runs_a_quantized_model_and_status_names_it(trained_dir: Path,
     assert bad.returncode != 0 and "int3" in bad.stderr
 
 
+def test_without_a_dtype_asked_for_our_kernels_quantized_models_run_in_bf16(
+        hybrid_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No dtype asked for: a model our kernels multiply in int8 or int4 runs in bf16 where
+    the CPU has AVX512-BF16 (Qwen2-1.5B's shapes in int4: a step 0.75x fp32's), `auto`'s
+    choice included; one unquantized, or in torch's kernels, in fp32; on CUDA, bf16."""
+    from engine import native
+    from engine.model.quant import run_dtype
+
+    ours = native.available() and native.kernels().bf16_dot
+    kw = {"dtype": None, "max_seq_len": 128, "draft_vocab": 64}
+    for quant, want in (("int4", ours), ("int8", ours), ("int8dyn", False), ("none", False),
+                        ("auto", False)):
+        engine = Engine.load(hybrid_dir, quant=quant, **kw)  # type: ignore[arg-type]
+        assert engine.dtype == (torch.bfloat16 if want else torch.float32), quant
+    monkeypatch.setattr("engine.model.quant.AUTO_PARAMS", 1)  # every model is large
+    large = Engine.load(hybrid_dir, quant="auto", **kw)  # type: ignore[arg-type]
+    assert large.dtype == (torch.bfloat16 if ours else torch.float32)
+    assert large.model.quant == ("int8" if native.available() else "none")
+    assert run_dtype("cuda", "none") == run_dtype("cuda", "int4") == torch.bfloat16
+
+
 def test_auto_quantizes_a_large_model_where_the_kernels_run_and_leaves_a_small_one(
         hybrid_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from engine import native
@@ -287,7 +351,7 @@ def test_auto_quantizes_a_large_model_where_the_kernels_run_and_leaves_a_small_o
 
     small = Engine.load(hybrid_dir, quant="auto")
     assert small.model.quant == "none" and describe(small.model) == "none (auto)"
-    monkeypatch.setattr("engine.model.quant.AUTO_BYTES", 1)  # every model is large
+    monkeypatch.setattr("engine.model.quant.AUTO_PARAMS", 1)  # every model is large
     large = Engine.load(hybrid_dir, quant="auto")
     if native.available():
         assert large.model.quant == "int8"
