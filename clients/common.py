@@ -43,7 +43,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     cfg = settings()  # flags win over the config file and AHEAD_* variables
     device = args.device or cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    dtype = dtypes[args.dtype or cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    named = args.dtype or cfg.dtype
+    dtype = dtypes[named] if named else None  # the quantization's (engine/model/quant.py)
     draft_model = getattr(args, "draft_model", None) or cfg.draft_model
     return {"device": device, "dtype": dtype, "max_seq_len": args.max_seq_len or cfg.max_seq_len,
             "k_max": cfg.k_max if args.k_max is None else args.k_max,
@@ -72,14 +73,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "<model>-assistant where it is beside the model in the HF cache)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
-                   help="default: bf16 on CUDA, fp32 on CPU")
+                   help="default: bf16 on CUDA, and on a CPU with AVX512-BF16 for int8 and "
+                   "int4 weights; else fp32")
     p.add_argument("--max-seq-len", type=int, help="KV cache length in tokens (default 4096)")
     p.add_argument("--k-max", type=int, help="most drafts per step (default 8)")
     p.add_argument("--quant", choices=["auto", "none", "int8", "int4", "int8dyn"],
                    help="quantized weights for every matmul (int8, int4: our kernels on "
                    "AVX-512 VNNI CPUs, else torch's; int8dyn: torch's integer matmul; auto: "
-                   "int8 for a model of 1 GB or more where our kernels run, else none); "
-                   "codes kept in ~/.cache/ahead/quant (default: the config's, else auto)")
+                   "int8 for a model of 268M parameters or more where our kernels run, else "
+                   "none); codes kept in ~/.cache/ahead/quant (default: the config's, else auto)")
     for name, what in (("graphs", "replay the decode step as CUDA graphs"),
                        ("compile", "torch.compile the decode step"),
                        ("exact", "keep output bit-identical to plain decoding even where "

@@ -28,7 +28,7 @@ from engine.generation import Generation
 from engine.model.assistant import Assistant
 from engine.model.pages import huge_bytes, huge_mapping, movable
 from engine.model.presets import ASSISTANTS, PRESETS
-from engine.model.quant import describe, drafts_only, packed_weights
+from engine.model.quant import describe, drafts_only, packed_weights, resolve, run_dtype
 from engine.model.transformer import Transformer
 from engine.native.timing import timed
 from engine.tokenizer import Tokenizer
@@ -36,15 +36,21 @@ from engine.tokenizer import Tokenizer
 Progress = Callable[[str], None]
 
 
-def preset_engine(name: str, *, device: str, dtype: torch.dtype, max_seq_len: int,
+def preset_engine(name: str, *, device: str, dtype: torch.dtype | None, max_seq_len: int,
                   k_max: int, slots: int, compile: bool | None = None,
                   graphs: bool | None = None, exact: bool | None = None,
                   quant: str = "none", draft_vocab: int = 32768,
                   drafts: str = "mtp") -> Engine:
     """An engine on the preset's shapes with random weights (any tokenizer does: token ids
-    past its vocabulary decode to nothing)."""
+    past its vocabulary decode to nothing); `dtype` None: the quantization's, as a loaded
+    checkpoint's (quant.run_dtype)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    if dtype is None:
+        with torch.device("meta"):
+            shapes = Transformer(PRESETS[name])
+        kind = torch.device(device).type
+        dtype = run_dtype(kind, resolve(shapes, quant, kind))
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
