@@ -61,6 +61,7 @@ def test_the_bench_reports_speed_by_k_at_the_chosen_acceptance(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
     assert set(r["tokens_per_s_by_k"]) == {"1", "2"} and r["identical_to_ar"] is None
+    assert r["dtype"] == "float32"  # no --dtype, unquantized (auto, a tiny model): fp32
     assert r["synthetic_acceptance"] == [1.0, 1.0]
     # every draft kept: K=2 makes 3 tokens a step (the last may be cut by the token limit);
     # what that buys in tokens/s is the bench's figure, not a test's
@@ -142,12 +143,16 @@ def test_the_bench_says_where_each_modes_step_spends_its_time(tmp_path: Path) ->
     the rest (torch's operators and Python), for plain decoding, each K and each verify."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "clients.cli", "bench", "engine", "--preset",
-                           "tiny-qwen3", "--dtype", "bf16", "--quant", "int4",
+                           "tiny-qwen3", "--quant", "int4",
                            "--synthetic-acceptance", "1,1", "--ks", "1,2", "--context", "48",
                            "--max-new-tokens", "14", "--rounds", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
+    from engine import native  # no --dtype: our int4 kernels run bf16 where the CPU dots it
+
+    bf16 = native.available() and native.kernels().bf16_dot
+    assert r["dtype"] == ("bfloat16" if bf16 else "float32")
     if r["turns"] != "steps":
         pytest.skip("a lone bf16 step on this CPU runs a row for every slot")
     ms, calls = r["breakdown_ms"], r["breakdown_calls"]
