@@ -212,7 +212,8 @@ def test_the_weights_codes_replace_are_loaded_as_stored_and_give_the_same_codes(
     """A half-precision checkpoint run in fp32 and quantized: the weights the codes replace
     stay in their stored dtype (a 2B model cast to fp32 first peaked at 11.7 GB and spent
     21 s casting), everything else is fp32; `auto` decides as it would on fp32 weights, and
-    the codes and tokens are those of the weights cast to fp32 first."""
+    the codes and tokens are those of the weights cast to fp32 first. Run in bf16, an fp32
+    checkpoint's weights are cast as before: a weight is never held wider than the run's."""
     from engine.model import weights
 
     monkeypatch.setattr("engine.model.quant.AUTO_PARAMS", 1)  # auto: int8 where kernels run
@@ -244,6 +245,9 @@ def test_the_weights_codes_replace_are_loaded_as_stored_and_give_the_same_codes(
     prompt = torch.randint(300, 396, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     assert quantized.generate(prompt, GenParams(16, stop_loops=False)).tokens == \
         before.generate(prompt, GenParams(16, stop_loops=False)).tokens
+    narrow = load_model(hybrid_dir, dtype=torch.bfloat16, quant=mode)  # stored in fp32
+    assert all(t.dtype == torch.bfloat16 for t in narrow.state_dict().values()
+               if t.is_floating_point())
 
 
 @needs_vnni

@@ -143,8 +143,8 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
     A heads file beside a checkpoint without MTP modules adds its modules (unless `heads`
     is False). `mtp` False: the trunk alone, the modules' tensors checked and not read.
     `quant`: the mode the model will be quantized in (`quantize_model`); the weights it
-    replaces stay in their stored dtype, mapped from the file and unread until encoded
-    (never, where codes on disk replace them)."""
+    replaces stay in their stored dtype where that is no wider than `dtype`, mapped from the
+    file and unread until encoded (never, where codes on disk replace them)."""
     model, expected, files = check_checkpoint(model_dir, heads=heads)
     if not mtp and model.num_mtp:
         with torch.device("meta"):
@@ -290,7 +290,9 @@ def _more(names: list[str], shown: int = 1) -> str:
 def _read_tensors(expected: Expected, files: dict[str, Path], device: torch.device,
                   dtype: torch.dtype, stored: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The expected tensors by our names, floating ones in `dtype` but those named in
-    `stored` (others as stored: an assistant's token ordering)."""
+    `stored`, which are never widened: kept as stored where that is no wider (an fp32 one
+    kept for a bf16 run would take twice the memory on a GPU until encoded), others as
+    stored (an assistant's token ordering)."""
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -301,8 +303,8 @@ def _read_tensors(expected: Expected, files: dict[str, Path], device: torch.devi
                 for name in names:
                     t = st.get_tensor(name)
                     ours = expected[name][0]
-                    state[ours] = t.to(dtype) if t.is_floating_point() and ours not in stored \
-                        else t
+                    kept = ours in stored and t.element_size() <= dtype.itemsize
+                    state[ours] = t.to(dtype) if t.is_floating_point() and not kept else t
         except Exception as e:  # safetensors raises its own error types; name the file
             raise CheckpointError(f"{f}: cannot read tensors: {e}") from None
     return state
