@@ -80,7 +80,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=["auto", "none", "int8", "int4", "int8dyn"],
                    help="quantized weights for every matmul (int8, int4: our kernels on "
                    "AVX-512 VNNI CPUs, else torch's; int8dyn: torch's integer matmul; auto: "
-                   "int8 for a model of 268M parameters or more where our kernels run, else "
+                   "int8 for a model of 4M parameters or more where our kernels run, else "
                    "none); codes kept in ~/.cache/ahead/quant (default: the config's, else auto)")
     for name, what in (("graphs", "replay the decode step as CUDA graphs"),
                        ("compile", "torch.compile the decode step"),

@@ -7,7 +7,7 @@
     device = "cuda"                  # default: cuda when available
     dtype = "bf16"                   # fp32 | bf16 | fp16 (default: bf16 on CUDA, and for
                                      # int8/int4 on a CPU with AVX512-BF16; else fp32)
-    quant = "auto"                   # auto (int8 for a model of 268M+ parameters where our
+    quant = "auto"                   # auto (int8 for a model of 4M+ parameters where our
                                      # CPU kernels run, else none) | none | int8 | int4 | int8dyn
     draft_vocab = 32768              # tokens a draft scores (the most frequent in code); 0: all
     idle_timeout = 1800              # seconds; 0 = never exit

@@ -355,6 +355,14 @@ def test_auto_quantizes_a_large_model_where_the_kernels_run_and_leaves_a_small_o
 
     small = Engine.load(hybrid_dir, quant="auto")
     assert small.model.quant == "none" and describe(small.model) == "none (auto)"
+    from engine.bundled import bundled_model_dir
+    from engine.model.quant import resolve
+    from engine.model.weights import check_checkpoint
+
+    bundled = bundled_model_dir()  # 8.3M parameters: int8 where our kernels run, measured
+    assert bundled is not None
+    assert resolve(check_checkpoint(bundled)[0], "auto", "cpu") == \
+        ("int8" if native.available() else "none")
     monkeypatch.setattr("engine.model.quant.AUTO_PARAMS", 1)  # every model is large
     large = Engine.load(hybrid_dir, quant="auto")
     if native.available():
