@@ -21,8 +21,14 @@ from safetensors.torch import load_file, save_file
 
 from engine import Engine, GenParams
 from engine.model.codes import Packed, QuantError, decode, encode
-from engine.model.quant import (MODES, QuantCache, matmul_params, packed_weights,
-                                quantize_model, targets)
+from engine.model.quant import (
+    MODES,
+    QuantCache,
+    matmul_params,
+    packed_weights,
+    quantize_model,
+    targets,
+)
 from engine.model.weights import CheckpointError, load_model, save_model
 from tests.conftest import load_exact
 from tests.test_identity import run_batched

@@ -288,7 +288,8 @@ def _more(names: list[str], shown: int = 1) -> str:
 
 
 def _read_tensors(expected: Expected, files: dict[str, Path], device: torch.device,
-                  dtype: torch.dtype, stored: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+                  dtype: torch.dtype, stored: frozenset[str] | set[str] = frozenset()
+                  ) -> dict[str, torch.Tensor]:
     """The expected tensors by our names, floating ones in `dtype` but those named in
     `stored`, which are never widened: kept as stored where that is no wider (an fp32 one
     kept for a bf16 run would take twice the memory on a GPU until encoded), others as
