@@ -162,9 +162,9 @@ def load_model(model_dir: str | Path, *, device: str | torch.device = "cpu",
 def replaced_weights(model: Transformer, mode: str) -> set[str]:
     """The parameters (state_dict names) whose weights `quantize_model` in `mode` (resolved)
     replaces with codes: every target's but the embedding a tied head shares (the lookup
-    keeps it). `load_model` reads these as stored: a weight the codes replace is never made
-    in the run dtype (a 2B model loaded in fp32 from bf16 peaked at 11.7 GB, and spent 21 s
-    casting)."""
+    keeps it). `load_model` reads these as stored where that is no wider than the run dtype:
+    a weight the codes replace is never widened (a 2B model loaded in fp32 from bf16 peaked
+    at 11.7 GB, and spent 21 s casting)."""
     if mode not in MODES or mode in ("none", "auto"):  # (quantize_model says what is wrong)
         return set()
     modules = {id(m): name for name, m in model.named_modules()}
