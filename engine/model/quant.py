@@ -206,8 +206,9 @@ def run_dtype(device_type: str, mode: str) -> torch.dtype:
     """The dtype a model runs in where none is asked for, `mode` its quantization (resolved):
     bf16 on CUDA; on a CPU, bf16 where our kernels multiply its weights (int8, int4) and the
     CPU has AVX512-BF16 for attention's dot products; else fp32 (what torch's CPU kernels run
-    best, and what the bundled model was trained in). Measured on an EPYC Zen 4, Qwen2-1.5B's shapes in int4, one
-    thread: a plain step 40.6 ms in bf16, 53.9 in fp32; K=3 58.2 against 80.3."""
+    best, and what the bundled model was trained in). Measured on an EPYC Zen 4, Qwen2-1.5B's
+    shapes in int4, one thread: a plain step 40.6 ms in bf16, 53.9 in fp32; K=3 58.2 against
+    80.3."""
     if device_type != "cpu":
         return torch.bfloat16
     quantized = mode in ("int8", "int4") and native.available()
