@@ -193,12 +193,15 @@ def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
     start: the earlier prefix is compared by its end, not its start. A finished completion
     typed to its end, or to nothing but white space, has nothing left to say: no match (a
     new completion at the new cursor may). At its own cursor (nothing typed) its answer is
-    the one a new completion would give, empty or not (a prefetch that found nothing).
+    the one a new completion would give, empty or not (a prefetch that found nothing), and
+    so is that of one the loop rule stopped (the same prompt loops the same way); typed
+    into, that one is no match.
     """
     if last is None or last.suffix != req.suffix:
         return None
     job = last.job
-    if job.cancelled or job.finish_reason not in (None, "stop", "length"):
+    looped = job.finish_reason == quality.REPETITION  # stopped by the loop rule
+    if job.cancelled or job.finish_reason not in (None, "stop", "length") and not looped:
         return None  # an error or a deadline cut: its text is no promise of the rest
     new, old, text = req.prefix, last.prefix, job.text
     for t in range(min(len(text), len(new)), -1, -1):
@@ -207,6 +210,8 @@ def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
         same_before = (head[len(head) - overlap:] == old[len(old) - overlap:]) if overlap \
             else head == old
         if same_before and new[len(new) - t:] == text[:t]:
+            if looped:  # at its own cursor it is the answer; typed into, a loop's text
+                return (job, "") if t == 0 else None  # is no promise of the rest
             return (job, text[:t]) if job.live or t == 0 or text[t:].strip() else None
     return None
 

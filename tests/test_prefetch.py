@@ -116,7 +116,8 @@ async def test_a_prefetch_where_the_shown_completion_has_more_to_say_does_nothin
 
 def test_a_finished_completion_typed_to_its_end_has_nothing_left_to_say() -> None:
     """Typing a finished suggestion to its end (or to white space) needs a new completion:
-    its empty rest would show nothing until the next keystroke."""
+    its empty rest would show nothing until the next keystroke. One the loop rule stopped
+    answers at its own cursor only; one cut by its deadline, nowhere."""
     job = Job(work=Work("x = ", "\n"), listeners=[], text="f(1)\n", finish_reason="stop")
     last = _Last("x = ", "\n", job)
     assert _typed(last, ask("x = f(")) == (job, "f(")
@@ -128,6 +129,13 @@ def test_a_finished_completion_typed_to_its_end_has_nothing_left_to_say() -> Non
     assert _typed(empty, ask("y = ")) == (empty.job, "")  # a prefetch that found nothing
     job.finish_reason = None  # still running: its rest is still to come
     assert _typed(last, ask("x = f(1)")) == (job, "f(1)")
+    # Stopped by the loop rule (a prefetch may be, before the request after an accept comes):
+    # at its own cursor a new completion would loop the same way; typed into, no promise.
+    job.finish_reason = "repetition"
+    assert _typed(last, ask("x = ")) == (job, "")
+    assert _typed(last, ask("x = f(")) is None
+    job.finish_reason = "deadline"
+    assert _typed(last, ask("x = ")) is None
 
 
 async def _show_accept_and_ask_again(model: Path, tmp_path: Path,
