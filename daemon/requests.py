@@ -201,7 +201,7 @@ def _typed(last: _Last | None, req: p.Complete) -> tuple[Job, str] | None:
         return None
     job = last.job
     looped = job.finish_reason == quality.REPETITION  # stopped by the loop rule
-    if job.cancelled or job.finish_reason not in (None, "stop", "length") and not looped:
+    if job.cancelled or (job.finish_reason not in (None, "stop", "length") and not looped):
         return None  # an error or a deadline cut: its text is no promise of the rest
     new, old, text = req.prefix, last.prefix, job.text
     for t in range(min(len(text), len(new)), -1, -1):
