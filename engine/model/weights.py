@@ -167,17 +167,16 @@ def replaced_weights(model: Transformer, mode: str) -> set[str]:
     at 11.7 GB, and spent 21 s casting)."""
     if mode not in MODES or mode in ("none", "auto"):  # (quantize_model says what is wrong)
         return set()
-    modules = {id(m): name for name, m in model.named_modules()}
     out: set[str] = set()
-    for owner, attr in targets(model).values():
-        prefix = f"{modules[id(owner)]}." if modules.get(id(owner)) else ""
+    for name, (owner, attr) in targets(model).items():  # by module path; the heads by role
         if attr == "head_weight":
             if not model.cfg.tie_word_embeddings:
                 out.add("lm_head.weight")
         elif attr == "fused":  # fused already: its parts are what a checkpoint holds
-            out |= {f"{prefix}{part}.weight" for part in getattr(owner, "FUSED", ())}
+            module = name.removesuffix("fused")
+            out |= {f"{module}{part}.weight" for part in getattr(owner, "FUSED", ())}
         elif attr != "rows":  # the draft head's rows are made from the head, not loaded
-            out.add(f"{prefix}{attr}.weight")
+            out.add(f"{name}.weight")
     return out
 
 
