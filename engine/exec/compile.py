@@ -47,6 +47,7 @@ from engine.decode.step import EAGER, StepFns, verify_window
 from engine.model.block import run_block
 from engine.model.gemma4 import Gemma4Model
 from engine.model.transformer import Transformer
+from engine.native import layer
 
 BLOCK_VARIANTS = 32  # compiled variants of the block allowed (8 are used: see the tests)
 WHOLE_BLOCKS = 12  # a fixed-shape step of a model of at most this many blocks compiles whole
@@ -69,9 +70,12 @@ def own_copy(fn: Callable[..., Any]) -> Callable[..., Any]:
 def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     """The functions a step runs: eager, compiled whole, or with compiled blocks (a deep
     model's fixed-shape step, or a compiled eager-shaped one); the model's block runners are
-    `run_block` again when `compiled` is False."""
+    `run_block` again when `compiled` is False (on a CPU where our kernels run, layer.py's,
+    which runs each full-attention block our kernels take in one call)."""
     model.block_runner = model.linear_runner = run_block
     if not compiled:
+        if native.available() and next(model.parameters()).device.type == "cpu":
+            model.block_runner = layer.run_block  # its blocks in one call where it can
         return EAGER
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
     if static and not by_blocks(model):

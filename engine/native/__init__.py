@@ -45,7 +45,7 @@ from engine.paths import cache_dir, write_replacing
 Pending = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 SOURCES = tuple(Path(__file__).with_name(f"{name}.c")
-                for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows"))
+                for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows", "layer"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("tiles.h", "vecmath.h"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC", "-lm")
@@ -149,9 +149,12 @@ class Kernels:
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _dot(self, q: Tensor) -> int:
-        """How attention takes bf16 queries: 0 as fp32; by AVX512-BF16 dot products its scores
-        (1), or its scores and values (3); on AMX-BF16 tiles both (2)."""
-        if not (self.bf16_dot and q.dtype == torch.bfloat16):
+        return self.attention_dot(q.dtype)
+
+    def attention_dot(self, dtype: torch.dtype) -> int:
+        """How attention takes queries of `dtype`: 0 as fp32; bf16 ones by AVX512-BF16 dot
+        products its scores (1), or its scores and values (3); on AMX-BF16 tiles both (2)."""
+        if not (self.bf16_dot and dtype == torch.bfloat16):
             return 0
         return 2 if self.amx_bf16 else 3 if self.bf16_values else 1
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine import native
-from engine.native import pick, rows
+from engine.native import layer, pick, rows
 
 # The parts of a step our kernels are, by the functions that call them (`timed`).
 KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention",
@@ -18,6 +18,8 @@ KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention"
 ROW_PARTS = {"_rms_norm": "norms", "_silu_mul": "SwiGLU gate", "_rope": "rotary embeddings",
              "_argmax_lse": "argmax of the logits"}
 PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
+# A whole decoder block in one call (its products, attention, norms and the rest inside it).
+LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)"}
 
 
 @contextlib.contextmanager
@@ -55,6 +57,8 @@ def timed() -> Iterator[dict[str, list[float]]]:
             wrap(rows, name, part)
         for name, part in PICK_PARTS.items():
             wrap(pick, name, part)
+        for name, part in LAYER_PARTS.items():
+            wrap(layer, name, part)
         yield totals
     finally:
         for owner, name, fn in reversed(swapped):

@@ -1,0 +1,167 @@
+"""A full-attention decoder block of a cached forward in one call of layer.c, where every
+part of it runs in our kernels: bf16 on a CPU, its four products in our int8 or int4 layouts,
+the exact attention. The bits are the block's Python forward's (the same kernels, the same
+order); what goes is the Python and torch between them, ~35 calls a layer of a decode step.
+
+`run_block` is `Transformer.block_runner` on such an engine (exec/compile.py `step_fns`);
+a block, or a call, it does not take runs model/block.py's `run_block` instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine import native
+from engine.cache.kv import CacheBatch, KVCache
+from engine.cache.state import StateCache
+from engine.model import block as block_py
+from engine.model.codes import Packed, QuantLinear
+from engine.native import rows
+
+i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("w", ptr), ("bits", i64), ("n", i64), ("group", i64), ("bias", ptr)]
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [("qkv", _Product), ("o", _Product), ("gate_up", _Product), ("down", _Product),
+                ("input_norm", ptr), ("post_norm", ptr), ("q_norm", ptr), ("k_norm", ptr),
+                ("eps", ctypes.c_float), ("offset", ctypes.c_float), ("scale", ctypes.c_float),
+                ("upcast", i64), ("hidden", i64), ("heads", i64), ("kv_heads", i64),
+                ("head_dim", i64), ("inter", i64), ("bf16_dot", i64)]
+
+
+class Plan:
+    """A block's weights as layer.c takes them, with the tensors that hold them (kept alive
+    while the plan is)."""
+
+    __slots__ = ("c", "held")
+
+    def __init__(self, c: _Plan, held: list[Tensor]) -> None:
+        self.c, self.held = c, held
+
+
+# Each block's plan, with what it was made from (`_key`); gone with the block.
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], Plan | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _fn() -> Any:  # the ctypes function
+    fn = native.kernels().lib.layer_forward
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_Plan), ptr, i64, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
+                   ptr, ptr, i64, i64, ctypes.c_int, ptr]
+    return fn
+
+
+def _forward(*args: Any) -> int:
+    """layer.c's `layer_forward` (a function of its own: `ahead bench engine` times it)."""
+    return int(_fn()(*args))
+
+
+def _product(linear: object) -> Packed | None:
+    packed = linear.packed if isinstance(linear, QuantLinear) else linear
+    if isinstance(packed, Packed) and packed.native and packed.mode in ("int4", "int8"):
+        return packed
+    return None
+
+
+def _key(block: block_py.DecoderBlock) -> tuple[object, ...]:
+    """What a plan is made from: the products (replaced when quantized), the attention's
+    exactness, the norms' weights."""
+    attn, mlp = block.self_attn, block.mlp
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    if attn.qk_norm:
+        norms += [attn.q_norm, attn.k_norm]
+    return (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj, attn.exact,
+            *(n.weight.data_ptr() for n in norms))
+
+
+def plan(block: nn.Module) -> Plan | None:
+    """layer.c's plan of a block, or None where it does not take the block: not a
+    full-attention `DecoderBlock` (Gated DeltaNet, Gemma 4), a gated or inexact attention,
+    GELU, a product not in our layouts, norms not in bf16."""
+    if not isinstance(block, block_py.DecoderBlock) or block.linear:
+        return None
+    key = _key(block)
+    got = _PLANS.get(block)
+    if got is not None and got[0] == key:  # (products compare as themselves)
+        return got[1]
+    made = _make(block)
+    _PLANS[block] = (key, made)  # None too: made again only when the block changes
+    return made
+
+
+def _make(block: block_py.DecoderBlock) -> Plan | None:
+    attn, mlp = block.self_attn, block.mlp
+    products = [_product(p) for p in (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj)]
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    if attn.qk_norm:
+        norms += [attn.q_norm, attn.k_norm]
+    first = norms[0]
+    if attn.gated or not attn.exact or mlp.gelu or any(p is None for p in products) or any(
+            n.weight.dtype != torch.bfloat16 or n.eps != first.eps or n.offset != first.offset
+            or n.upcast != first.upcast for n in norms) or attn.head_dim % 16:
+        return None
+    held: list[Tensor] = []
+
+    def c_product(p: Packed) -> _Product:
+        held.append(p.packed)
+        if p.bias32 is not None:
+            held.append(p.bias32)
+        return _Product(p.packed.data_ptr(), 4 if p.mode == "int4" else 8, p.out_features,
+                        p.native_group, None if p.bias32 is None else p.bias32.data_ptr())
+
+    weights = [n.weight.detach().contiguous() for n in norms]
+    held += weights
+    ptrs = [w.data_ptr() for w in weights] + [None] * (4 - len(weights))
+    qkv, o, gate_up, down = (c_product(p) for p in products)  # type: ignore[arg-type]
+    c = _Plan(qkv, o, gate_up, down, *ptrs, first.eps, float(first.offset),
+              attn.head_dim ** -0.5, int(first.upcast), o.n, attn.num_heads,
+              attn.num_kv_heads, attn.head_dim, gate_up.n // 2,
+              native.kernels().attention_dot(torch.bfloat16))
+    return Plan(c, held)
+
+
+def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
+              batch: CacheBatch | None = None,
+              cache: KVCache | StateCache | None = None) -> Tensor:
+    """`block_py.run_block`, in one call of layer.c where it takes the block and the call."""
+    got = plan(block) if batch is not None and isinstance(cache, KVCache) else None
+    if got is None or batch is None or not isinstance(cache, KVCache) or batch.span is None \
+            or not rows.usable(x) or not x.is_contiguous() \
+            or cache.k.dtype != torch.bfloat16 or not cache.k.is_contiguous() \
+            or not cache.v.is_contiguous() or batch.kv_len > cache.k.shape[2] \
+            or x.shape[-1] != got.c.hidden:
+        return block_py.run_block(block, x, rope, batch, cache)
+    bsz, seqlen, _ = x.shape
+    cos, sin = rope
+    rot = cos.shape[-1]
+    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or rot % 2 \
+            or rot > got.c.head_dim:
+        return block_py.run_block(block, x, rope, batch, cache)
+    if not (cos.is_contiguous() and sin.is_contiguous()
+            and cos.numel() == sin.numel() == bsz * seqlen * rot):
+        cos, sin = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
+    slots = batch.slots if batch.slots.dtype == torch.int64 else batch.slots.long()
+    pos = batch.pos if batch.pos.dtype == torch.int64 else batch.pos.long()
+    slots, pos = slots.contiguous(), pos.contiguous()
+    out = torch.empty_like(x)
+    done = _forward(ctypes.byref(got.c), x.data_ptr(), bsz, seqlen, cos.data_ptr(), sin.data_ptr(),
+                 rot, slots.data_ptr(), pos.data_ptr(), batch.span[0], batch.kv_len,
+                 cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[0], cache.k.shape[2],
+                 torch.get_num_threads(), out.data_ptr())
+    if done == -2:  # a slot or position outside the cache: the Python path says which
+        return block_py.run_block(block, x, rope, batch, cache)
+    if done != 0:
+        raise MemoryError("the decoder block's kernel could not allocate its scratch memory")
+    return out

@@ -1,0 +1,117 @@
+"""A decoder block in one call of our kernels (engine/native/layer.c): the bits of the block's
+Python forward, in its output and in the KV cache it writes, for decode steps, verifies,
+prefills and batches of slots; and the blocks it does not take run that forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, GenParams, native
+from engine.cache.kv import CacheBatch, KVCache
+from engine.model import block as block_py
+from engine.native import layer
+from training.synthetic import write_checkpoint
+
+pytestmark = pytest.mark.skipif(native.status() != "vnni",
+                                reason=f"the kernels do not run here: {native.status()}")
+
+
+def _copy(cache: KVCache) -> KVCache:
+    out = KVCache.__new__(KVCache)
+    out.k, out.v = cache.k.clone(), cache.v.clone()
+    return out
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
+def test_a_block_in_one_call_gives_the_python_forwards_bits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str, quant: str) -> None:
+    """QKV bias (Qwen2), q/k norms (Qwen3), neither (Llama); every trunk block and MTP block;
+    one row, a verify's four, a prefill's twenty, and two slots of three rows at different
+    positions (the cache already holding keys there)."""
+    write_checkpoint(tmp_path, preset, seed=3)
+    engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
+                         quant=quant)
+    model = engine.model
+    assert model.block_runner is layer.run_block
+    blocks = [*model.model.layers, *(b for m in model.mtp for b in m.blocks)]
+    assert all(layer.plan(b) is not None for b in blocks)
+    python_forward = block_py.run_block
+
+    def no_fallback(*args: object) -> torch.Tensor:
+        raise AssertionError("layer.run_block ran the Python forward")
+
+    gen = torch.Generator().manual_seed(1)
+    hidden = model.cfg.hidden_size
+    cache = engine.caches.trunk[0]
+    assert isinstance(cache, KVCache)
+    kv_len = cache.k.shape[2]
+    # (slots, first positions, rows a slot)
+    for slots, starts, seqlen in [([0], [0], 20), ([0], [20], 1), ([0], [21], 4),
+                                  ([0, 1], [24, 5], 3)]:
+        pos = torch.tensor(starts)[:, None] + torch.arange(seqlen)
+        batch = CacheBatch(torch.tensor(slots), pos, kv_len, (slots[0], slots[-1] + 1))
+        rope = engine.caches.rope(pos)
+        x = (torch.randn(len(slots), seqlen, hidden, generator=gen) * 2).bfloat16()
+        for i, block in enumerate(blocks):
+            kv = engine.caches.trunk[i % len(engine.caches.trunk)]
+            assert isinstance(kv, KVCache)
+            ours, theirs = _copy(kv), _copy(kv)
+            with torch.inference_mode():
+                monkeypatch.setattr(block_py, "run_block", no_fallback)
+                got = layer.run_block(block, x, rope, batch, ours)
+                monkeypatch.setattr(block_py, "run_block", python_forward)
+                want = block_py.run_block(block, x, rope, batch, theirs)
+            assert torch.equal(got, want), (slots, seqlen, i)
+            assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
+            assert not torch.equal(ours.k, kv.k)  # (the keys written)
+            kv.k.copy_(ours.k)  # the next case finds these keys in the cache
+            kv.v.copy_(ours.v)
+
+
+def test_generation_through_it_is_the_python_forwards_and_speculation_stays_lossless(
+        tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, "tiny-qwen3", seed=5, train_steps=40)
+    engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=128, k_max=3, slots=1,
+                         quant="int8")
+    model = engine.model
+    prompt = engine.tokenizer.encode("def add(a, b):\n    return")
+    outs = {}
+    for runner in (layer.run_block, block_py.run_block):
+        model.block_runner = runner
+        for spec in (False, True):
+            out = engine.generate(prompt, GenParams(24, speculative=spec, stop_loops=False))
+            outs[runner.__module__, spec] = out.tokens
+    assert len(set(map(tuple, outs.values()))) == 1, outs
+
+
+def test_blocks_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
+    """Gated attention (Qwen3.5), weights not in our layouts (unquantized), a batch of slots
+    that are not consecutive: the Python forward, the same bits."""
+    write_checkpoint(tmp_path / "hybrid", "tiny-qwen3.5", seed=2)
+    hybrid = Engine.load(tmp_path / "hybrid", dtype=torch.bfloat16, max_seq_len=64, k_max=2,
+                         slots=1, quant="int8")
+    full = [b for b in hybrid.model.model.layers if not b.linear]
+    assert full and all(layer.plan(b) is None for b in full)
+    write_checkpoint(tmp_path / "plain", "tiny-qwen2", seed=2)
+    plain = Engine.load(tmp_path / "plain", dtype=torch.bfloat16, max_seq_len=64, k_max=2,
+                        slots=3, quant="none")
+    assert layer.plan(plain.model.model.layers[0]) is None
+    quant = Engine.load(tmp_path / "plain", dtype=torch.bfloat16, max_seq_len=64, k_max=2,
+                        slots=3, quant="int8")
+    block, kv = quant.model.model.layers[0], quant.caches.trunk[0]
+    assert layer.plan(block) is not None and isinstance(kv, KVCache)
+    pos = torch.tensor([[3], [7]])
+    batch = CacheBatch(torch.tensor([2, 0]), pos, kv.k.shape[2])  # no span
+    x = torch.randn(2, 1, quant.model.cfg.hidden_size).bfloat16()
+    ours, theirs = _copy(kv), _copy(kv)
+    with torch.inference_mode():
+        got = layer.run_block(block, x, quant.caches.rope(pos), batch, ours)
+        want = block_py.run_block(block, x, quant.caches.rope(pos), batch, theirs)
+    assert torch.equal(got, want) and torch.equal(ours.k, theirs.k)
+    bad = CacheBatch(torch.tensor([5]), pos[:1], kv.k.shape[2], (5, 6))  # past the slots
+    with torch.inference_mode(), pytest.raises((IndexError, RuntimeError)):
+        layer.run_block(block, x[:1], quant.caches.rope(pos[:1]), bad, _copy(kv))
