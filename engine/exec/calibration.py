@@ -64,11 +64,13 @@ class CalibrationStore:
     @classmethod
     def of_checkpoint(cls, root: Path, model_dir: Path, model: Transformer,
                       **settings: object) -> CalibrationStore:
-        """The entry of a checkpoint loaded with these engine settings on this machine."""
+        """The entry of a checkpoint loaded with these engine settings on this machine, with
+        this build of our kernels (a new one steps at other costs)."""
         weight = model.model.embed_tokens.weight
         return cls(root, model=checkpoint_identity(model_dir),
                    device=device_identity(weight.device), dtype=weight.dtype,
-                   threads=torch.get_num_threads(), kernels=native.flavour(), **settings)
+                   threads=torch.get_num_threads(), kernels=native.flavour(),
+                   kernels_build=native.build(), **settings)
 
     def read(self, step: str) -> tuple[Invariance, tuple[Curves, Curves]] | None:
         try:

@@ -59,6 +59,7 @@ class NativeUnavailable(RuntimeError):
 class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib  # (rows.py declares its own functions)
+        self.build = ""  # the library's name: a hash of the sources, flags and compiler
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn = lib.wq_linear
         fn.restype = ctypes.c_int
@@ -267,7 +268,10 @@ def _load() -> Kernels | str:
     if missing := _missing_cpu_flags():
         return f"this CPU lacks {', '.join(missing)}"
     try:
-        return Kernels(ctypes.CDLL(str(_build())))
+        path = _build()
+        got = Kernels(ctypes.CDLL(str(path)))
+        got.build = path.stem
+        return got
     except NativeUnavailable as e:
         return str(e)
     except OSError as e:
@@ -286,6 +290,13 @@ def status() -> str:
     """"vnni" when the kernels run here, else why not."""
     got = _load()
     return "vnni" if isinstance(got, Kernels) else got
+
+
+def build() -> str:
+    """Which build of the kernels runs (a hash of their sources, flags and compiler), else
+    `status()`: what a step cost measured with them depends on (exec/calibration.py)."""
+    got = _load()
+    return got.build if isinstance(got, Kernels) else got
 
 
 def flavour() -> str:
