@@ -60,16 +60,17 @@ static int product(const Product *p, int64_t K, const uint16_t *x, uint16_t *y, 
    entries first_slot + b: consecutive slots, as `CacheBatch.span` says) at positions pos
    [B, S]; cos and sin [M, rot] (rows.c `rope`); the layer's caches ck, cv [num_slots,
    kv_heads, length, head_dim] bf16, their first kv_len entries attended. Returns 0; -1
-   where scratch memory could not be had or a kernel refused (nothing written to the caches);
-   -2 where a slot or position is outside the cache (nothing written). */
+   where scratch memory could not be had; -2 where a slot or position is outside the cache
+   (nothing written); -3 where the plan's shapes do not fit together (nothing written). */
 int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const uint16_t *cos,
                   const uint16_t *sin, int64_t rot, const int64_t *slots, const int64_t *pos,
                   int64_t first_slot, int64_t kv_len, uint16_t *ck, uint16_t *cv,
                   int64_t num_slots, int64_t length, int threads, uint16_t *out) {
     const int64_t M = B * S, H = p->hidden, hq = p->heads, hkv = p->kv_heads, D = p->head_dim;
     const int64_t nq = hq * D, nkv = hkv * D, nqkv = p->qkv.n, I = p->inter;
-    if (nqkv != nq + 2 * nkv || p->gate_up.n != 2 * I || p->o.n != H || p->down.n != H)
-        return -1;
+    if (nqkv != nq + 2 * nkv || p->gate_up.n != 2 * I || p->o.n != H || p->down.n != H
+        || D % 16 != 0 || D > 512 || hq % hkv != 0 || rot % 2 != 0 || rot > D)
+        return -3;
     /* scratch, in bf16 elements: the normed rows (later the post-attention norm's), QKV,
        normed q and k, rotated q and k, attention's output (later the down product's), the
        output product, the residual stream after attention, gate and up, SwiGLU's gate */

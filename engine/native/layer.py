@@ -108,9 +108,14 @@ def _make(block: block_py.DecoderBlock) -> Plan | None:
     if attn.qk_norm:
         norms += [attn.q_norm, attn.k_norm]
     first = norms[0]
+    hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if attn.gated or not attn.exact or mlp.gelu or any(p is None for p in products) or any(
             n.weight.dtype != torch.bfloat16 or n.eps != first.eps or n.offset != first.offset
-            or n.upcast != first.upcast for n in norms) or attn.head_dim % 16:
+            or n.upcast != first.upcast for n in norms) \
+            or hd % 16 or hd > 512 or hq % hkv:  # (else the Python forward's attention is torch's)
+        return None
+    qkv_n, o_n, gate_up_n, down_n = (p.out_features for p in products)  # type: ignore[union-attr]
+    if qkv_n != (hq + 2 * hkv) * hd or gate_up_n % 2 or o_n != down_n:
         return None
     held: list[Tensor] = []
 
@@ -125,9 +130,8 @@ def _make(block: block_py.DecoderBlock) -> Plan | None:
     held += weights
     ptrs = [w.data_ptr() for w in weights] + [None] * (4 - len(weights))
     qkv, o, gate_up, down = (c_product(p) for p in products)  # type: ignore[arg-type]
-    c = _Plan(qkv, o, gate_up, down, *ptrs, first.eps, float(first.offset),
-              attn.head_dim ** -0.5, int(first.upcast), o.n, attn.num_heads,
-              attn.num_kv_heads, attn.head_dim, gate_up.n // 2,
+    c = _Plan(qkv, o, gate_up, down, *ptrs, first.eps, float(first.offset), hd ** -0.5,
+              int(first.upcast), o.n, hq, hkv, hd, gate_up.n // 2,
               native.kernels().attention_dot(torch.bfloat16))
     return Plan(c, held)
 
@@ -138,10 +142,12 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     """`block_py.run_block`, in one call of layer.c where it takes the block and the call."""
     got = plan(block) if batch is not None and isinstance(cache, KVCache) else None
     if got is None or batch is None or not isinstance(cache, KVCache) or batch.span is None \
-            or not rows.usable(x) or not x.is_contiguous() \
-            or cache.k.dtype != torch.bfloat16 or not cache.k.is_contiguous() \
-            or not cache.v.is_contiguous() or batch.kv_len > cache.k.shape[2] \
-            or x.shape[-1] != got.c.hidden:
+            or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
+            or x.shape[-1] != got.c.hidden or cache.k.dtype != torch.bfloat16 \
+            or cache.v.dtype != torch.bfloat16 or not cache.k.is_contiguous() \
+            or not cache.v.is_contiguous() or cache.k.shape != cache.v.shape \
+            or cache.k.shape[1] != got.c.kv_heads or cache.k.shape[3] != got.c.head_dim \
+            or batch.kv_len > cache.k.shape[2]:
         return block_py.run_block(block, x, rope, batch, cache)
     bsz, seqlen, _ = x.shape
     cos, sin = rope
@@ -156,12 +162,15 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     pos = batch.pos if batch.pos.dtype == torch.int64 else batch.pos.long()
     slots, pos = slots.contiguous(), pos.contiguous()
     out = torch.empty_like(x)
-    done = _forward(ctypes.byref(got.c), x.data_ptr(), bsz, seqlen, cos.data_ptr(), sin.data_ptr(),
-                 rot, slots.data_ptr(), pos.data_ptr(), batch.span[0], batch.kv_len,
-                 cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[0], cache.k.shape[2],
-                 torch.get_num_threads(), out.data_ptr())
+    done = _forward(ctypes.byref(got.c), x.data_ptr(), bsz, seqlen, cos.data_ptr(),
+                    sin.data_ptr(), rot, slots.data_ptr(), pos.data_ptr(), batch.span[0],
+                    batch.kv_len, cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[0],
+                    cache.k.shape[2], torch.get_num_threads(), out.data_ptr())
     if done == -2:  # a slot or position outside the cache: the Python path says which
         return block_py.run_block(block, x, rope, batch, cache)
+    if done == -3:
+        raise ValueError(f"the decoder block's kernel does not take its plan: {got.c.hidden=}, "
+                         f"{got.c.heads=}, {got.c.kv_heads=}, {got.c.head_dim=}, {rot=}")
     if done != 0:
         raise MemoryError("the decoder block's kernel could not allocate its scratch memory")
     return out
