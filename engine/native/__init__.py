@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from engine.native.build import FLAGS as FLAGS
+from engine.native.build import SOURCES as SOURCES
+from engine.native.build import NativeUnavailable as NativeUnavailable
+from engine.native.build import compile_library, cpu_field, cpu_flags, missing_cpu_flags
 
 # The weights' layout (layout.py), as callers know it: native.pack, native.GROUPS, ...
 from engine.native.layout import GROUPS as GROUPS
@@ -36,25 +37,12 @@ from engine.native.layout import TILE as TILE
 from engine.native.layout import group_for as group_for
 from engine.native.layout import pack as pack
 from engine.native.layout import reference as reference
-from engine.paths import cache_dir, write_replacing
 
 # A deferred settle as deltanet.c's delta_rule takes it: per row the offset of the state an
 # earlier window read [B]; that window's k [B, H, P, Dk], factors [B, H, P, Dv] and decay
 # [B, H, P] (fp32, contiguous); how many of its positions the row's committed state has [B]
 # (int64; 0: none, the committed state is written).
 Pending = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-
-SOURCES = tuple(Path(__file__).with_name(f"{name}.c")
-                for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows", "layer"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("tiles.h", "vecmath.h"))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
-         "-fopenmp", "-shared", "-fPIC", "-lm")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
-
-
-class NativeUnavailable(RuntimeError):
-    """The kernels cannot run here (the reason is the message)."""
-
 
 class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -80,9 +68,9 @@ class Kernels:
         # attention's scores of bf16 queries and keys by bf16 dot products (attention.c), and
         # on AMD's CPUs its values (values_bf16): VDPBF16PS issues as often as an FMA there,
         # half as often on the Intel Xeons, where fp32 values were faster (docs/benchmarks.md)
-        flags = _cpu_flags() or frozenset()
+        flags = cpu_flags() or frozenset()
         self.bf16_dot = "avx512_bf16" in flags
-        self.bf16_values = self.bf16_dot and _cpu_field("vendor_id") == "AuthenticAMD"
+        self.bf16_values = self.bf16_dot and cpu_field("vendor_id") == "AuthenticAMD"
         self.amx = "amx_int8" in flags and os.environ.get("AHEAD_AMX", "1") != "0" \
             and lib.wq_amx_enable() == 1  # Linux grants the tile state
         # a bf16 attention on AMX tiles (attention.c scores_amx, values_amx) where bf16_dot runs
@@ -215,60 +203,13 @@ class Kernels:
 
 
 @functools.cache
-def _cpu_field(name: str) -> str | None:
-    """A field of the CPU's entry in /proc/cpuinfo ("flags", "vendor_id"); None if unreadable."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    line = next((ln for ln in info.splitlines() if ln.split(":", 1)[0].strip() == name), "")
-    return line.split(":", 1)[-1].strip()
-
-
-def _cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags, or None where they cannot be read."""
-    return None if (flags := _cpu_field("flags")) is None else frozenset(flags.split())
-
-
-def _missing_cpu_flags() -> list[str]:
-    have = _cpu_flags()
-    return ["/proc/cpuinfo"] if have is None else [f for f in CPU_FLAGS if f not in have]
-
-
-def _build() -> Path:
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise NativeUnavailable(f"no C compiler ({cc}) on PATH")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 check=True, timeout=60).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError) as e:
-        raise NativeUnavailable(f"the C compiler ({cc}) does not run: {e}") from e
-    key = hashlib.sha256("\n".join([*(f.read_text() for f in (*SOURCES, *HEADERS)),
-                                     " ".join(FLAGS), cc, version]).encode()).hexdigest()[:16]
-    path = cache_dir("native") / f"wq-{key}.so"
-    if path.is_file():
-        return path
-
-    def compile_to(tmp: Path) -> None:
-        done = subprocess.run([cc, *FLAGS, "-o", str(tmp), *map(str, SOURCES)],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeUnavailable(f"the C compiler ({cc}) failed: {first}")
-
-    write_replacing(path, compile_to)
-    return path
-
-
-@functools.cache
 def _load() -> Kernels | str:
     if os.environ.get("AHEAD_NATIVE", "1") == "0":
         return "off (AHEAD_NATIVE=0)"
-    if missing := _missing_cpu_flags():
+    if missing := missing_cpu_flags():
         return f"this CPU lacks {', '.join(missing)}"
     try:
-        path = _build()
+        path = compile_library()
         got = Kernels(ctypes.CDLL(str(path)))
         got.build = path.stem
         return got
