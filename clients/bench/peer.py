@@ -73,8 +73,13 @@ class LlamaServer:
 
     def _exited(self) -> str:
         """Where the server has exited (it may listen before it loads the model, then fail
-        to): its last lines, which say why; else nothing."""
-        if self._proc is None or self._proc.poll() is None:
+        to): its last lines, which say why; else nothing. A request it refused may come just
+        before its exit (its socket closed first): it is given a few seconds to end."""
+        if self._proc is None:
+            return ""
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             return ""
         if self._reader is not None:
             self._reader.join(10)  # its output read to the end
