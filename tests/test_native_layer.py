@@ -104,6 +104,10 @@ def test_blocks_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
                         slots=3, quant="int8")
     block, kv = quant.model.model.layers[0], quant.caches.trunk[0]
     assert layer.plan(block) is not None and isinstance(kv, KVCache)
+    quant.model.set_exact(False)  # a changed block, a new plan: torch's fused attention
+    assert layer.plan(block) is None
+    quant.model.set_exact(True)
+    assert layer.plan(block) is not None
     pos = torch.tensor([[3], [7]])
     batch = CacheBatch(torch.tensor([2, 0]), pos, kv.k.shape[2])  # no span
     x = torch.randn(2, 1, quant.model.cfg.hidden_size).bfloat16()

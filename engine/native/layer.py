@@ -77,13 +77,21 @@ def _product(linear: object) -> Packed | None:
 
 def _key(block: block_py.DecoderBlock) -> tuple[object, ...]:
     """What a plan is made from: the products (replaced when quantized), the attention's
-    exactness, the norms' weights."""
-    attn, mlp = block.self_attn, block.mlp
-    norms = [block.input_layernorm, block.post_attention_layernorm]
-    if attn.qk_norm:
-        norms += [attn.q_norm, attn.k_norm]
-    return (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj, attn.exact,
-            *(n.weight.data_ptr() for n in norms))
+    exactness, where the norms' weights are. Read from the modules' own dicts, as
+    nn.Module's __getattr__ finds them, without its cost: this runs for every block of every
+    step (half the Python a block ran in one call took, through __getattr__)."""
+    mods = block._modules
+    attn, mlp = mods["self_attn"], mods["mlp"]
+    assert attn is not None and mlp is not None
+    a, am = attn.__dict__, attn._modules
+    norms = (mods["input_layernorm"], mods["post_attention_layernorm"]) + \
+        ((am["q_norm"], am["k_norm"]) if a["qk_norm"] else ())
+    return (a["fused"], am["o_proj"], mlp.__dict__["fused"], mlp._modules["down_proj"],
+            a["exact"], *(_data_ptr(n._parameters["weight"]) for n in norms if n is not None))
+
+
+def _data_ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def plan(block: nn.Module) -> Plan | None:
