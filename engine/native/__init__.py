@@ -1,17 +1,19 @@
 """Our own CPU kernels for AVX-512 VNNI CPUs: products by int4 and int8 weights (wq.c, in the
 layout layout.py makes; encode.c makes it from a weight's values), the attention of a cached
 forward and its cache writes (attention.c), Gated DeltaNet's delta rule a position at a time
-(deltanet.c) and the rest of its step (gdn.c), and the small row-wise operators of a bf16
-step: norms, the SwiGLU gate, rotary embeddings, the logits' argmax (rows.c, rows.py).
+(deltanet.c) and the rest of its step (gdn.c), the small row-wise operators of a bf16
+step: norms, the SwiGLU gate, rotary embeddings, the logits' argmax (rows.c, rows.py), and
+a full-attention decoder block made of them in one call (layer.c, layer.py).
 
-The source ships with the package and is compiled on first use by the system's C compiler
-(`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the source, the
-flags and the compiler), then loaded with ctypes: no build step at install, under a second
-to compile, and a machine without a compiler or without VNNI runs torch's kernels instead
-(`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the CPU also has
-AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products (`bf16_dot`); where
-it has AMX-INT8, products of many rows run on its tiles (`amx`, wq.c), and with AMX-BF16 as
-well, a bf16 attention's scores and values (`amx_bf16`, attention.c; `AHEAD_AMX=0`: neither).
+The source ships with the package and is compiled on first use (build.py) by the system's
+C compiler (`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the
+source, the flags and the compiler), then loaded with ctypes: no build step at install,
+under a second to compile, and a machine without a compiler or without VNNI runs torch's
+kernels instead (`status()` says which and why). `AHEAD_NATIVE=0` turns them off. Where the
+CPU also has AVX512-BF16, attention scores bf16 queries and keys by bf16 dot products
+(`bf16_dot`); where it has AMX-INT8, products of many rows run on its tiles (`amx`, wq.c),
+and with AMX-BF16 as well, a bf16 attention's scores and values (`amx_bf16`, attention.c;
+`AHEAD_AMX=0`: neither).
 Threads: the kernel's OpenMP loop runs on the libgomp torch already loaded (the same
 soname), as many threads as `torch.get_num_threads()`.
 """
