@@ -155,7 +155,8 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
             or cache.v.dtype != torch.bfloat16 or not cache.k.is_contiguous() \
             or not cache.v.is_contiguous() or cache.k.shape != cache.v.shape \
             or cache.k.shape[1] != got.c.kv_heads or cache.k.shape[3] != got.c.head_dim \
-            or batch.kv_len > cache.k.shape[2]:
+            or batch.kv_len > cache.k.shape[2] or batch.span[1] - batch.span[0] != x.shape[0] \
+            or not 0 <= batch.span[0] < batch.span[1] <= cache.k.shape[0]:
         return block_py.run_block(block, x, rope, batch, cache)
     bsz, seqlen, _ = x.shape
     cos, sin = rope
