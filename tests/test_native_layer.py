@@ -26,19 +26,24 @@ def _copy(cache: KVCache) -> KVCache:
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-qwen3.5"])
 def test_a_block_in_one_call_gives_the_python_forwards_bits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str, quant: str) -> None:
-    """QKV bias (Qwen2), q/k norms (Qwen3), neither (Llama); every trunk block and MTP block;
-    one row, a verify's four, a prefill's twenty, and two slots of three rows at different
-    positions (the cache already holding keys there)."""
+    """QKV bias (Qwen2), q/k norms (Qwen3), neither (Llama), q/k norms with the norms'
+    offset, partial rotary and the output gate (Qwen3.5's full-attention layers); every
+    full-attention trunk block and MTP block; one row, a verify's four, a prefill's twenty,
+    and two slots of three rows at different positions (the cache already holding keys
+    there)."""
     write_checkpoint(tmp_path, preset, seed=3)
     engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
                          quant=quant)
     model = engine.model
     assert model.block_runner is layer.run_block
-    blocks = [*model.model.layers, *(b for m in model.mtp for b in m.blocks)]
-    assert all(layer.plan(b) is not None for b in blocks)
+    trunk = [(b, kv) for b, kv in zip(model.model.layers, engine.caches.trunk, strict=True)
+             if not b.linear]  # (Qwen3.5's Gated DeltaNet layers: not blocks layer.c takes)
+    first = trunk[0][1]  # the modules' blocks: a cache of the same shapes
+    blocks = [*trunk, *((b, first) for m in model.mtp for b in m.blocks)]
+    assert all(layer.plan(b) is not None for b, _ in blocks)
     python_forward = block_py.run_block
 
     def no_fallback(*args: object) -> torch.Tensor:
@@ -46,9 +51,8 @@ def test_a_block_in_one_call_gives_the_python_forwards_bits(
 
     gen = torch.Generator().manual_seed(1)
     hidden = model.cfg.hidden_size
-    cache = engine.caches.trunk[0]
-    assert isinstance(cache, KVCache)
-    kv_len = cache.k.shape[2]
+    assert isinstance(first, KVCache)
+    kv_len = first.k.shape[2]
     # (slots, first positions, rows a slot)
     for slots, starts, seqlen in [([0], [0], 20), ([0], [20], 1), ([0], [21], 4),
                                   ([0, 1], [24, 5], 3)]:
@@ -56,8 +60,7 @@ def test_a_block_in_one_call_gives_the_python_forwards_bits(
         batch = CacheBatch(torch.tensor(slots), pos, kv_len, (slots[0], slots[-1] + 1))
         rope = engine.caches.rope(pos)
         x = (torch.randn(len(slots), seqlen, hidden, generator=gen) * 2).bfloat16()
-        for i, block in enumerate(blocks):
-            kv = engine.caches.trunk[i % len(engine.caches.trunk)]
+        for i, (block, kv) in enumerate(blocks):
             assert isinstance(kv, KVCache)
             ours, theirs = _copy(kv), _copy(kv)
             with torch.inference_mode():
@@ -89,13 +92,13 @@ def test_generation_through_it_is_the_python_forwards_and_speculation_stays_loss
 
 
 def test_blocks_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
-    """Gated attention (Qwen3.5), weights not in our layouts (unquantized), a batch of slots
-    that are not consecutive: the Python forward, the same bits."""
+    """Gated DeltaNet layers (Qwen3.5), weights not in our layouts (unquantized), a batch of
+    slots that are not consecutive: the Python forward, the same bits."""
     write_checkpoint(tmp_path / "hybrid", "tiny-qwen3.5", seed=2)
     hybrid = Engine.load(tmp_path / "hybrid", dtype=torch.bfloat16, max_seq_len=64, k_max=2,
                          slots=1, quant="int8")
-    full = [b for b in hybrid.model.model.layers if not b.linear]
-    assert full and all(layer.plan(b) is None for b in full)
+    linear = [b for b in hybrid.model.model.layers if b.linear]
+    assert linear and all(layer.plan(b) is None for b in linear)
     write_checkpoint(tmp_path / "plain", "tiny-qwen2", seed=2)
     plain = Engine.load(tmp_path / "plain", dtype=torch.bfloat16, max_seq_len=64, k_max=2,
                         slots=3, quant="none")

@@ -76,6 +76,30 @@ def test_the_swiglu_gate_is_torchs_within_a_bit_and_each_row_its_own() -> None:
         assert torch.equal(rows.silu_mul(padded), got)
 
 
+@pytest.mark.parametrize(("bsz", "seqlen", "heads", "dim"), [(1, 1, 8, 256), (2, 3, 4, 24)])
+def test_the_output_gate_is_torchs_within_a_bit_and_each_row_its_own(
+        bsz: int, seqlen: int, heads: int, dim: int) -> None:
+    """y * sigmoid(gate) with the gate a view of QKV's rows (each head's query, then its
+    gate's logits: Qwen3.5), as attention.py calls it."""
+    gen = torch.Generator().manual_seed(dim)
+    qkv = (torch.randn(bsz, seqlen, heads * 2 * dim + 32, generator=gen) * 4).bfloat16()
+    gate = qkv[..., :heads * 2 * dim].view(bsz, seqlen, heads, 2 * dim)[..., dim:]
+    y = torch.randn(bsz, seqlen, heads * dim, generator=gen).bfloat16()
+
+    def row(b: int, s: int) -> torch.Tensor:  # row (b, s) alone
+        out = rows.sigmoid_mul(y[b:b + 1, s:s + 1], gate[b:b + 1, s:s + 1])
+        assert out is not None
+        return out[0, 0]
+
+    with torch.inference_mode():
+        got = rows.sigmoid_mul(y, gate)
+        alone = torch.stack([torch.stack([row(b, s) for s in range(seqlen)])
+                             for b in range(bsz)])
+    assert got is not None
+    assert _ulps(got, y * torch.sigmoid(gate.reshape(bsz, seqlen, heads * dim))) <= 1
+    assert torch.equal(got, alone)
+
+
 @pytest.mark.parametrize(("bsz", "seqlen", "heads", "dim", "rot"),
                          [(1, 4, 12, 128, 128), (2, 3, 4, 16, 4), (1, 1, 8, 256, 64),
                           (3, 7, 2, 40, 40)])

@@ -22,6 +22,7 @@ from engine import native
 from engine.cache.kv import KEY_BLOCK, CacheBatch, KVCache
 from engine.model.config import ModelConfig
 from engine.model.layers import Dense, apply_rope, fuse_linears, norm
+from engine.native import rows
 
 
 class Attention(nn.Module):
@@ -84,7 +85,9 @@ class Attention(nn.Module):
                                                    enable_gqa=True)
         y = y.transpose(1, 2).reshape(bsz, seqlen, hq * hd)  # [B, S, H*D]
         if gate is not None:
-            y = y * torch.sigmoid(gate.reshape(bsz, seqlen, hq * hd))
+            gated = rows.sigmoid_mul(y, gate) if rows.usable(y) else None
+            y = gated if gated is not None else y * torch.sigmoid(gate.reshape(bsz, seqlen,
+                                                                            hq * hd))
         return self.o_proj(y)
 
 

@@ -1,7 +1,7 @@
 /* A whole pre-norm decoder block of a cached forward in one call (layer.py): RMSNorm, the
-fused QKV product, q/k norms, rotary embeddings, the KV cache write, attention, the output
-product, the residual add and the norm after it, the fused gate and up product, SwiGLU's gate,
-the down product and the last residual add.
+fused QKV product, q/k norms, rotary embeddings, the KV cache write, attention, its output
+gate (Qwen3.5), the output product, the residual add and the norm after it, the fused gate
+and up product, SwiGLU's gate, the down product and the last residual add.
 
 Each part is the kernel the block's Python forward calls (model/block.py, attention.py,
 layers.py: rows.c, wq.c, attention.c), called here with the same arguments in the same order,
@@ -22,6 +22,8 @@ void rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *res, int64_t 
               uint16_t *h_out, int64_t rows, int64_t dim, const uint16_t *w, float offset,
               float eps, int upcast, uint16_t *out);
 void silu_mul(const uint16_t *gu, int64_t stride, int64_t rows, int64_t width, uint16_t *out);
+void sigmoid_mul(const uint16_t *y, int64_t y_stride, const uint16_t *g, int64_t g_row,
+                 int64_t g_head, int64_t rows, int64_t heads, int64_t dim, uint16_t *out);
 void rope(const uint16_t *x, int64_t row_stride, int64_t head_stride, int64_t rows,
           int64_t heads, int64_t dim, const uint16_t *cos, const uint16_t *sin, int64_t rot,
           uint16_t *out);
@@ -49,6 +51,7 @@ typedef struct {
     const uint16_t *input_norm, *post_norm, *q_norm, *k_norm;  /* q/k norms: NULL if none */
     float eps, offset, scale;
     int64_t upcast, hidden, heads, kv_heads, head_dim, inter, bf16_dot;
+    int64_t gated;  /* an output gate (Qwen3.5): each head's query followed by its logits */
 } Plan;
 
 static int product(const Product *p, int64_t K, const uint16_t *x, uint16_t *y, int64_t M,
@@ -68,14 +71,17 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
                   int64_t num_slots, int64_t length, int threads, uint16_t *out) {
     const int64_t M = B * S, H = p->hidden, hq = p->heads, hkv = p->kv_heads, D = p->head_dim;
     const int64_t nq = hq * D, nkv = hkv * D, nqkv = p->qkv.n, I = p->inter;
-    if (nqkv != nq + 2 * nkv || p->gate_up.n != 2 * I || p->o.n != H || p->down.n != H
+    /* QKV's rows: the queries (each head's followed by its gate's logits where gated), k, v */
+    const int64_t qw = p->gated ? 2 * nq : nq, qstep = p->gated ? 2 * D : D;
+    if (nqkv != qw + 2 * nkv || p->gate_up.n != 2 * I || p->o.n != H || p->down.n != H
         || D % 16 != 0 || D > 512 || hq % hkv != 0 || rot % 2 != 0 || rot > D)
         return -3;
     /* scratch, in bf16 elements: the normed rows (later the post-attention norm's), QKV,
-       normed q and k, rotated q and k, attention's output (later the down product's), the
-       output product, the residual stream after attention, gate and up, SwiGLU's gate */
+       normed q and k, rotated q and k, attention's output (and gated), the output product
+       (later the down product's), the residual stream after attention, gate and up,
+       SwiGLU's gate */
     const int64_t sizes[] = {M * H, M * nqkv, p->q_norm ? M * (nq + nkv) : 0, M * (nq + nkv),
-                             M * nq, M * H, M * H, M * 2 * I, M * I};
+                             (p->gated ? 2 : 1) * M * nq, M * H, M * H, M * 2 * I, M * I};
     int64_t total = 0;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += sizes[i] + 32;
     uint16_t *scratch = malloc(sizeof(uint16_t) * (size_t)total);
@@ -92,25 +98,26 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
     rms_norm(x, H, NULL, 0, NULL, M, H, p->input_norm, p->offset, p->eps, (int)p->upcast, xn);
     if (product(&p->qkv, H, xn, qkv, M, threads) != 0) goto done;
     /* q [M, hq, D] and k [M, hkv, D]: in QKV's rows, or normed into rows of their own */
-    const uint16_t *q_src = qkv, *k_src = qkv + nq;
-    int64_t q_stride = nqkv, k_stride = nqkv;
+    const uint16_t *q_src = qkv, *k_src = qkv + qw;
+    int64_t q_stride = nqkv, q_head = qstep, k_stride = nqkv;
     if (p->q_norm) {
         for (int64_t m = 0; m < M; m++) {
-            rms_norm(qkv + m * nqkv, D, NULL, 0, NULL, hq, D, p->q_norm, p->offset, p->eps,
-                     (int)p->upcast, normed + m * nq);
-            rms_norm(qkv + m * nqkv + nq, D, NULL, 0, NULL, hkv, D, p->k_norm, p->offset,
+            rms_norm(qkv + m * nqkv, qstep, NULL, 0, NULL, hq, D, p->q_norm, p->offset,
+                     p->eps, (int)p->upcast, normed + m * nq);
+            rms_norm(qkv + m * nqkv + qw, D, NULL, 0, NULL, hkv, D, p->k_norm, p->offset,
                      p->eps, (int)p->upcast, normed + M * nq + m * nkv);
         }
         q_src = normed;
         k_src = normed + M * nq;
         q_stride = nq;
+        q_head = D;
         k_stride = nkv;
     }
     uint16_t *qr = qk, *kr = qk + M * nq;
-    rope(q_src, q_stride, D, M, hq, D, cos, sin, rot, qr);
+    rope(q_src, q_stride, q_head, M, hq, D, cos, sin, rot, qr);
     rope(k_src, k_stride, D, M, hkv, D, cos, sin, rot, kr);
     /* k [B, hkv, S, D] as the rotated rows' transposed view; v as QKV's */
-    if (kv_write(kr, qkv + nq + nkv, B, hkv, S, D, S * nkv, D, nkv, S * nqkv, D, nqkv, ck, cv,
+    if (kv_write(kr, qkv + qw + nkv, B, hkv, S, D, S * nkv, D, nkv, S * nqkv, D, nqkv, ck, cv,
                  hkv * length * D, length * D, slots, pos, num_slots, length, 2) != 0) {
         rc = -2;
         goto done;
@@ -120,6 +127,10 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
                          cv + first, hkv, hkv * length * D, length * D, kv_len, pos, att, 1,
                          p->scale, 0, 0, threads, (int)p->bf16_dot) != 0)
         goto done;
+    if (p->gated) {  /* att times sigmoid of each head's gate logits */
+        sigmoid_mul(att, nq, qkv + D, nqkv, 2 * D, M, hq, D, att + M * nq);
+        att += M * nq;
+    }
     if (product(&p->o, nq, att, o, M, threads) != 0) goto done;
     /* h = x + o, its norm into xn */
     rms_norm(x, H, o, H, h, M, H, p->post_norm, p->offset, p->eps, (int)p->upcast, xn);

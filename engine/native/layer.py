@@ -36,7 +36,7 @@ class _Plan(ctypes.Structure):
                 ("input_norm", ptr), ("post_norm", ptr), ("q_norm", ptr), ("k_norm", ptr),
                 ("eps", ctypes.c_float), ("offset", ctypes.c_float), ("scale", ctypes.c_float),
                 ("upcast", i64), ("hidden", i64), ("heads", i64), ("kv_heads", i64),
-                ("head_dim", i64), ("inter", i64), ("bf16_dot", i64)]
+                ("head_dim", i64), ("inter", i64), ("bf16_dot", i64), ("gated", i64)]
 
 
 class Plan:
@@ -96,8 +96,8 @@ def _data_ptr(t: Tensor | None) -> int | None:
 
 def plan(block: nn.Module) -> Plan | None:
     """layer.c's plan of a block, or None where it does not take the block: not a
-    full-attention `DecoderBlock` (Gated DeltaNet, Gemma 4), a gated or inexact attention,
-    GELU, a product not in our layouts, norms not in bf16."""
+    full-attention `DecoderBlock` (Gated DeltaNet, Gemma 4), an inexact attention, GELU, a
+    product not in our layouts, norms not in bf16."""
     if not isinstance(block, block_py.DecoderBlock) or block.linear:
         return None
     key = _key(block)
@@ -117,13 +117,13 @@ def _make(block: block_py.DecoderBlock) -> Plan | None:
         norms += [attn.q_norm, attn.k_norm]
     first = norms[0]
     hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if attn.gated or not attn.exact or mlp.gelu or any(p is None for p in products) or any(
+    if not attn.exact or mlp.gelu or any(p is None for p in products) or any(
             n.weight.dtype != torch.bfloat16 or n.eps != first.eps or n.offset != first.offset
             or n.upcast != first.upcast for n in norms) \
             or hd % 16 or hd > 512 or hq % hkv:  # (else the Python forward's attention is torch's)
         return None
     qkv_n, o_n, gate_up_n, down_n = (p.out_features for p in products)  # type: ignore[union-attr]
-    if qkv_n != (hq + 2 * hkv) * hd or gate_up_n % 2 or o_n != down_n:
+    if qkv_n != (hq * (1 + attn.gated) + 2 * hkv) * hd or gate_up_n % 2 or o_n != down_n:
         return None
     held: list[Tensor] = []
 
@@ -140,7 +140,7 @@ def _make(block: block_py.DecoderBlock) -> Plan | None:
     qkv, o, gate_up, down = (c_product(p) for p in products)  # type: ignore[arg-type]
     c = _Plan(qkv, o, gate_up, down, *ptrs, first.eps, float(first.offset), hd ** -0.5,
               int(first.upcast), o.n, hq, hkv, hd, gate_up.n // 2,
-              native.kernels().attention_dot(torch.bfloat16))
+              native.kernels().attention_dot(torch.bfloat16), int(attn.gated))
     return Plan(c, held)
 
 

@@ -69,6 +69,25 @@ void silu_mul(const uint16_t *gu, int64_t stride, int64_t rows, int64_t width, u
     }
 }
 
+/* An attention's output gate (Qwen3.5): out = round(y round(sigmoid(g))) for y [rows,
+   heads * dim] (row r at y + r * y_stride) and the gate's logits, head h of row r at
+   g + r * g_row + h * g_head (QKV's rows, where each head's query is followed by its gate's
+   logits); out: [rows, heads * dim]. torch's bf16 sigmoid and product round the same way; its
+   sigmoid's last bit may differ from ours (never between two calls of ours). */
+void sigmoid_mul(const uint16_t *y, int64_t y_stride, const uint16_t *g, int64_t g_row,
+                 int64_t g_head, int64_t rows, int64_t heads, int64_t dim, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *yh = y + r * y_stride + h * dim, *gh = g + r * g_row + h * g_head;
+            uint16_t *o = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i += 16) {
+                const __mmask16 m = tail(dim - i);
+                const __m512 s = round_bf16(sigmoid16(load16_masked(gh, i, m, 1)));
+                store16(o, i, _mm512_mul_ps(load16_masked(yh, i, m, 1), s), m, 1);
+            }
+        }
+}
+
 /* Rotary embedding of x [rows, heads, dim] (element (r, h, d) at r * row_stride +
    h * head_stride + d) by cos and sin [rows, rot] (bf16; sin's first half negated):
    out[.., i] = round(round(x_i cos_i) + round(x_j sin_i)), j = i + rot/2 for the first half

@@ -24,13 +24,15 @@ i64, ptr = ctypes.c_int64, ctypes.c_void_p
 def _fns() -> tuple[Any, ...]:  # ctypes functions
     lib = native.kernels().lib
     norm, gate, rope, top = lib.rms_norm, lib.silu_mul, lib.rope, lib.argmax_lse
-    norm.restype = gate.restype = rope.restype = top.restype = None
+    out_gate = lib.sigmoid_mul
+    norm.restype = gate.restype = rope.restype = top.restype = out_gate.restype = None
+    out_gate.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr]
     norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_float,
                      ctypes.c_int, ptr]
     gate.argtypes = [ptr, i64, i64, i64, ptr]
     rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
     top.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
-    return norm, gate, rope, top
+    return norm, gate, rope, top, out_gate
 
 
 def usable(x: Tensor) -> bool:
@@ -101,6 +103,27 @@ def _silu_mul(gu: Tensor) -> Tensor:
     width = gu.shape[-1] // 2
     out = gu.new_empty(*gu.shape[:-1], width)
     _fns()[1](rows.data_ptr(), stride, n, width, out.data_ptr())
+    return out
+
+
+def sigmoid_mul(y: Tensor, gate: Tensor) -> Tensor | None:
+    """y * sigmoid(gate) for y [B, S, H * D] (rows contiguous) and gate [B, S, H, D] (a view
+    of QKV's rows: Qwen3.5's output gate), rounded as torch rounds each; None where the
+    strides do not suit (torch's path then)."""
+    bsz, seqlen, heads, dim = gate.shape
+    if y.shape != (bsz, seqlen, heads * dim) or not y.is_contiguous() or gate.stride(-1) != 1 \
+            or (bsz > 1 and gate.stride(0) != seqlen * gate.stride(1)) or gate.dtype != y.dtype:
+        return None
+    if torch.compiler.is_compiling():
+        return torch.ops.ahead.sigmoid_mul(y, gate)
+    return _sigmoid_mul(y, gate)
+
+
+def _sigmoid_mul(y: Tensor, gate: Tensor) -> Tensor:
+    bsz, seqlen, heads, dim = gate.shape
+    out = torch.empty_like(y)
+    _fns()[4](y.data_ptr(), heads * dim, gate.data_ptr(), gate.stride(1), gate.stride(2),
+              bsz * seqlen, heads, dim, out.data_ptr())
     return out
 
 
@@ -179,6 +202,16 @@ def _silu_mul_op(gu: Tensor) -> Tensor:
 @_silu_mul_op.register_fake
 def _(gu: Tensor) -> Tensor:
     return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+@torch.library.custom_op("ahead::sigmoid_mul", mutates_args=())
+def _sigmoid_mul_op(y: Tensor, gate: Tensor) -> Tensor:
+    return _sigmoid_mul(y, gate)
+
+
+@_sigmoid_mul_op.register_fake
+def _(y: Tensor, gate: Tensor) -> Tensor:
+    return torch.empty_like(y)
 
 
 @torch.library.custom_op("ahead::rope", mutates_args=())

@@ -86,14 +86,19 @@ typedef struct {
 } __attribute__((packed, aligned(64))) TileConfig;
 #endif
 
-/* silu(x) = x sigmoid(x), with e^-|x| from the vector exp. */
-static inline __m512 silu16(__m512 x) {
+/* sigmoid(x), with e^-|x| from the vector exp. */
+static inline __m512 sigmoid16(__m512 x) {
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(),
                                                    _mm512_abs_ps(x)));
     const __m512 one = _mm512_set1_ps(1.0f);
     const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 num = _mm512_mask_mov_ps(one, neg, e);  /* x < 0: e/(1+e), else 1/(1+e) */
-    return _mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(one, e)));
+    return _mm512_div_ps(num, _mm512_add_ps(one, e));
+}
+
+/* silu(x) = x sigmoid(x). */
+static inline __m512 silu16(__m512 x) {
+    return _mm512_mul_ps(x, sigmoid16(x));
 }
 
 #endif
