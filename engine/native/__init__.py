@@ -135,12 +135,9 @@ class Kernels:
                            k.shape[2], positions.data_ptr(), out.data_ptr(),
                            int(k.dtype == torch.bfloat16), dim ** -0.5 if scale is None else scale,
                            window, ring, torch.get_num_threads(),
-                           self._dot(q)) != 0:
+                           self.attention_dot(q.dtype)) != 0:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out if out.dtype == q.dtype else out.to(q.dtype)
-
-    def _dot(self, q: Tensor) -> int:
-        return self.attention_dot(q.dtype)
 
     def attention_dot(self, dtype: torch.dtype) -> int:
         """How attention takes queries of `dtype`: 0 as fp32; bf16 ones by AVX512-BF16 dot

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,7 @@ from engine.cache.kv import CacheBatch, KVCache
 from engine.cache.state import StateCache
 from engine.model import block as block_py
 from engine.model.codes import Packed, QuantLinear
+from engine.model.layers import RMSNorm
 from engine.native import rows
 
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -80,14 +81,22 @@ def _key(block: block_py.DecoderBlock) -> tuple[object, ...]:
     exactness, where the norms' weights are. Read from the modules' own dicts, as
     nn.Module's __getattr__ finds them, without its cost: this runs for every block of every
     step (half the Python a block ran in one call took, through __getattr__)."""
-    mods = block._modules
-    attn, mlp = mods["self_attn"], mods["mlp"]
+    attn, mlp = block._modules["self_attn"], block._modules["mlp"]
     assert attn is not None and mlp is not None
     a, am = attn.__dict__, attn._modules
-    norms = (mods["input_layernorm"], mods["post_attention_layernorm"]) + \
-        ((am["q_norm"], am["k_norm"]) if a["qk_norm"] else ())
     return (a["fused"], am["o_proj"], mlp.__dict__["fused"], mlp._modules["down_proj"],
-            a["exact"], *(_data_ptr(n._parameters["weight"]) for n in norms if n is not None))
+            a["exact"], *(_data_ptr(n._parameters["weight"]) for n in _norms(block)))
+
+
+def _norms(block: block_py.DecoderBlock) -> list[RMSNorm]:
+    """The block's RMSNorms layer.c runs: before attention, after it, and q's and k's where
+    the attention has them (from the modules' own dicts: see `_key`)."""
+    mods, attn = block._modules, block._modules["self_attn"]
+    assert attn is not None
+    names = [(mods, "input_layernorm"), (mods, "post_attention_layernorm")]
+    if attn.__dict__["qk_norm"]:
+        names += [(attn._modules, "q_norm"), (attn._modules, "k_norm")]
+    return [cast(RMSNorm, d[name]) for d, name in names]
 
 
 def _data_ptr(t: Tensor | None) -> int | None:
@@ -112,9 +121,7 @@ def plan(block: nn.Module) -> Plan | None:
 def _make(block: block_py.DecoderBlock) -> Plan | None:
     attn, mlp = block.self_attn, block.mlp
     products = [_product(p) for p in (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj)]
-    norms = [block.input_layernorm, block.post_attention_layernorm]
-    if attn.qk_norm:
-        norms += [attn.q_norm, attn.k_norm]
+    norms = _norms(block)
     first = norms[0]
     hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     if not attn.exact or mlp.gelu or any(p is None for p in products) or any(
@@ -148,9 +155,8 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
               batch: CacheBatch | None = None,
               cache: KVCache | StateCache | None = None) -> Tensor:
     """`block_py.run_block`, in one call of layer.c where it takes the block and the call."""
-    got = plan(block) if batch is not None and isinstance(cache, KVCache) else None
-    if got is None or batch is None or not isinstance(cache, KVCache) or batch.span is None \
-            or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
+    if batch is None or not isinstance(cache, KVCache) or (got := plan(block)) is None \
+            or batch.span is None or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
             or x.shape[-1] != got.c.hidden or cache.k.dtype != torch.bfloat16 \
             or cache.v.dtype != torch.bfloat16 or not cache.k.is_contiguous() \
             or not cache.v.is_contiguous() or cache.k.shape != cache.v.shape \
@@ -164,9 +170,7 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or rot % 2 \
             or rot > got.c.head_dim:
         return block_py.run_block(block, x, rope, batch, cache)
-    if not (cos.is_contiguous() and sin.is_contiguous()
-            and cos.numel() == sin.numel() == bsz * seqlen * rot):
-        cos, sin = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
+    cos, sin = rows.rope_rows(cos, sin, bsz, seqlen)
     slots = batch.slots if batch.slots.dtype == torch.int64 else batch.slots.long()
     pos = batch.pos if batch.pos.dtype == torch.int64 else batch.pos.long()
     slots, pos = slots.contiguous(), pos.contiguous()

@@ -140,14 +140,21 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     return _rope(x, cos, sin)
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    bsz, seqlen, heads, dim = x.shape
+def rope_rows(cos: Tensor, sin: Tensor, bsz: int, seqlen: int) -> tuple[Tensor, Tensor]:
+    """cos and sin ([S, 1, R] or [B, S, 1, R]) as rows.c's `rope` reads them: a row of R
+    for each of the bsz * seqlen positions, contiguous."""
     rot = cos.shape[-1]
     if cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() \
             == bsz * seqlen * rot:  # a row of each a position already: no views
-        c, s = cos, sin
-    else:
-        c, s = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
+        return cos, sin
+    c, s = (t.expand(bsz, seqlen, 1, rot).reshape(bsz * seqlen, rot) for t in (cos, sin))
+    return c, s
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    bsz, seqlen, heads, dim = x.shape
+    rot = cos.shape[-1]
+    c, s = rope_rows(cos, sin, bsz, seqlen)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _fns()[2](x.data_ptr(), x.stride(1), x.stride(2), bsz * seqlen, heads, dim,
               c.data_ptr(), s.data_ptr(), rot, out.data_ptr())
