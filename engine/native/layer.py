@@ -88,15 +88,16 @@ def _key(block: block_py.DecoderBlock) -> tuple[object, ...]:
             a["exact"], *(_data_ptr(n._parameters["weight"]) for n in _norms(block)))
 
 
-def _norms(block: block_py.DecoderBlock) -> list[RMSNorm]:
+def _norms(block: block_py.DecoderBlock) -> tuple[RMSNorm, ...]:
     """The block's RMSNorms layer.c runs: before attention, after it, and q's and k's where
     the attention has them (from the modules' own dicts: see `_key`)."""
-    mods, attn = block._modules, block._modules["self_attn"]
+    mods = block._modules
+    attn = mods["self_attn"]
     assert attn is not None
-    names = [(mods, "input_layernorm"), (mods, "post_attention_layernorm")]
+    own: tuple[nn.Module | None, ...] = (mods["input_layernorm"], mods["post_attention_layernorm"])
     if attn.__dict__["qk_norm"]:
-        names += [(attn._modules, "q_norm"), (attn._modules, "k_norm")]
-    return [cast(RMSNorm, d[name]) for d, name in names]
+        own += (attn._modules["q_norm"], attn._modules["k_norm"])
+    return cast(tuple[RMSNorm, ...], own)
 
 
 def _data_ptr(t: Tensor | None) -> int | None:
