@@ -85,7 +85,13 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
     the previous draft [B] (the first draft reads module 0's output as it is). Writes the
     draft, its probability and (sampled rows) its distribution into the slots' buffers;
     advances `chain`. Returns the module's output [B, 1, H] and the draft [B]."""
-    if not first and model.assistant is not None:  # every draft queries from `base`
+    greedy: tuple[Tensor, Tensor | None] | None = None
+    native = _native_draft(model, caches, slots, j, m_in, m, out, prev, base, kv_len, span,
+                           confident=confident, first=first) \
+        if model.draft_runner is not None and not sampling.sampled else None
+    if native is not None:
+        out, greedy = native[0], native[1:]
+    elif not first and model.assistant is not None:  # every draft queries from `base`
         out = assist(model, caches, slots, model.chain_hidden(m_in, out), prev[:, None], base,
                      kv_len, span)
     elif not first:
@@ -93,7 +99,8 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
         pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
         out = model.mtp_forward(m, h, prev[:, None], caches.rope(pos),
                                 CacheBatch(slots, pos, kv_len, span), caches.modules[m])
-    greedy = None if sampling.sampled else model.mtp_greedy(m, out, prob=confident)
+    if native is None and not sampling.sampled:
+        greedy = model.mtp_greedy(m, out, prob=confident)
     q: Tensor | None = None
     if greedy is not None:
         tok, top = greedy
@@ -115,6 +122,21 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
         go_on = go_on & more
     chain.alive = chain.alive & go_on
     return out, tok[:, 0]
+
+
+def _native_draft(model: Transformer, caches: Caches, slots: Tensor, j: Tensor, m_in: int,
+                  m: int, out: Tensor, prev: Tensor, base: Tensor, kv_len: int,
+                  span: tuple[int, int] | None, *, confident: bool, first: bool
+                  ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """`draft_one`'s module output, greedy draft and its probability in one call of our
+    kernels (`Transformer.draft_runner`: native/mtp.py), or None where they do not take it."""
+    runner = model.draft_runner
+    assert runner is not None
+    if first:
+        return runner(model, m, out, prob=confident)
+    pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
+    return runner(model, m, out, prob=confident, m_in=m_in, prev=prev, rope=caches.rope(pos),
+                  slots=slots, pos=pos, kv_len=kv_len, span=span, cache=caches.modules[m][0])
 
 
 def chain_rule(accept: Tensor, limit: Tensor, j: int | Tensor, survival: Tensor, conf: Tensor,

@@ -55,6 +55,10 @@ class Transformer(nn.Module):
         # copy of it for all blocks of the kind (exec/compile.py).
         self.block_runner: Callable[..., Tensor] = run_block
         self.linear_runner: Callable[..., Tensor] = run_block
+        # A greedy draft in one call where the blocks run so (native/mtp.py `draft`), else
+        # None: decode/draft.py's Python path.
+        self.draft_runner: Callable[..., tuple[Tensor, Tensor, Tensor | None] | None] | None \
+            = None
         # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from engine.paths import cache_dir, write_replacing
 
-SOURCES = tuple(Path(__file__).with_name(f"{name}.c")
-                for name in ("wq", "encode", "attention", "deltanet", "gdn", "rows", "layer"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("tiles.h", "vecmath.h"))
+SOURCES = tuple(Path(__file__).with_name(f"{name}.c") for name in (
+    "wq", "encode", "attention", "deltanet", "gdn", "rows", "layer", "mtp"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("tiles.h", "vecmath.h", "layer.h"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma",
          "-fopenmp", "-shared", "-fPIC", "-lm")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")

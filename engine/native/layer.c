@@ -14,6 +14,7 @@ Rows are M = B * S tokens of bf16, x [M, hidden] contiguous. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "layer.h"
 #include "vecmath.h"
 
 int wq_linear(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G, const float *bias,
@@ -37,22 +38,6 @@ int kv_write(const void *k, const void *v, int64_t B, int64_t H, int64_t S, int6
              int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb, int64_t vsh, int64_t vss,
              void *ck, void *cv, int64_t csb, int64_t csh, const int64_t *slots,
              const int64_t *at, int64_t num_slots, int64_t length, int64_t size);
-
-/* A quantized product's layout (wq.c): codes, bits, outputs, group, fp32 bias or NULL. */
-typedef struct {
-    const uint8_t *w;
-    int64_t bits, n, group;
-    const float *bias;
-} Product;
-
-/* What a block keeps between calls (layer.py `Plan`, a ctypes copy of this). */
-typedef struct {
-    Product qkv, o, gate_up, down;
-    const uint16_t *input_norm, *post_norm, *q_norm, *k_norm;  /* q/k norms: NULL if none */
-    float eps, offset, scale;
-    int64_t upcast, hidden, heads, kv_heads, head_dim, inter, bf16_dot;
-    int64_t gated;  /* an output gate (Qwen3.5): each head's query followed by its logits */
-} Plan;
 
 static int product(const Product *p, int64_t K, const uint16_t *x, uint16_t *y, int64_t M,
                    int threads) {

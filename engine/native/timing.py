@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine import native
-from engine.native import layer, pick, rows
+from engine.native import layer, mtp, pick, rows
 
 # The parts of a step our kernels are, by the functions that call them (`timed`).
 KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention",
@@ -20,6 +20,8 @@ ROW_PARTS = {"_rms_norm": "norms", "_silu_mul": "SwiGLU gate", "_rope": "rotary 
 PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
 # A whole decoder block in one call (its products, attention, norms and the rest inside it).
 LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)"}
+# A greedy MTP draft in one call (its module's block, projection, norms and pick inside it).
+MTP_PARTS = {"_draft": "MTP drafts in one call (mtp.c)"}
 
 
 @contextlib.contextmanager
@@ -59,6 +61,8 @@ def timed() -> Iterator[dict[str, list[float]]]:
             wrap(pick, name, part)
         for name, part in LAYER_PARTS.items():
             wrap(layer, name, part)
+        for name, part in MTP_PARTS.items():
+            wrap(mtp, name, part)
         yield totals
     finally:
         for owner, name, fn in reversed(swapped):

@@ -1,0 +1,207 @@
+"""A greedy draft of an MTP module in one call of mtp.c, where every part runs in our kernels:
+the chain's hidden state, the module's input (the next token's embedding and that state,
+normed, side by side), its projection, its block (layer.c, as layer.py takes it), its final
+norm and the draft's pick. The bits are the Python path's (decode/draft.py `draft_one`: the
+same kernels, the same order); what goes is ~25 calls of Python and torch a draft.
+
+`draft` is `Transformer.draft_runner` on the engines whose blocks run by layer.py
+(exec/compile.py `step_fns`); a module, a head or a call it does not take returns None, and
+the Python path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from engine import native
+from engine.cache.kv import KVCache
+from engine.model.codes import Packed
+from engine.model.layers import RMSNorm
+from engine.model.mtp import MTPModule
+from engine.model.transformer import Transformer
+from engine.native import layer, rows
+
+i64, ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _MtpPlan(ctypes.Structure):
+    _fields_ = [("block", layer._Plan), ("eh_proj", layer._Product), ("embed", ptr),
+                ("enorm", ptr), ("hnorm", ptr), ("norm", ptr), ("chain_norm", ptr),
+                ("vocab", i64), ("hidden_first", i64), ("head", layer._Product),
+                ("coarse", ptr), ("candidates", i64), ("ids", ptr)]
+
+
+class Plan:
+    """A module's draft as mtp.c takes it, with the tensors that hold it."""
+
+    __slots__ = ("c", "held")
+
+    def __init__(self, c: _MtpPlan, held: list[object]) -> None:
+        self.c, self.held = c, held
+
+
+# Per module: (what its plan was made from, the plan or None), gone with the module.
+_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], Plan | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def _fn() -> Any:  # the ctypes function
+    fn = native.kernels().lib.mtp_draft
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_MtpPlan), ctypes.c_int, ptr, ptr, i64, ptr, ptr, i64, ptr,
+                   ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
+    return fn
+
+
+def _draft(*args: Any) -> int:
+    """mtp.c's `mtp_draft` (a function of its own: `ahead bench engine` times it)."""
+    return int(_fn()(*args))
+
+
+def _head(model: Transformer) -> tuple[Packed | None, Tensor | None, Tensor | None]:
+    """The drafts' head as mtp.c takes it: (its rows in our layout, the reduced head's 2-bit
+    layout or None, the reduced head's ids or None); (None, None, None) where it does not."""
+    reduced = model.draft_head
+    if reduced is not None:
+        coarse = reduced.coarse()
+        head = layer._product(reduced.rows)
+        return (head, coarse, reduced.ids) if head is not None else (None, None, None)
+    if model.cfg.final_logit_softcapping:
+        return None, None, None
+    return layer._product(model.head_weight), None, None
+
+
+def _key(model: Transformer, module: MTPModule, chain: MTPModule | None
+         ) -> tuple[object, ...]:
+    """What a plan is made from: the block's plan (itself remade when its block changes),
+    the projection, the embedding, the norms' weights, the drafts' head."""
+    block = module.blocks[0] if len(module.blocks) == 1 else None
+    head = model.draft_head
+    return (None if block is None else layer.plan(block), module.eh_proj,
+            model.model.embed_tokens.weight.data_ptr(),
+            *(n.weight.data_ptr() for n in (module.enorm, module.hnorm, module.norm)),
+            None if chain is None else chain.norm.weight.data_ptr(),
+            head, None if head is None else (head.rows, head.coarse()), model.head_weight)
+
+
+def plan(model: Transformer, m: int, m_in: int) -> Plan | None:
+    """mtp.c's plan of module m's draft chained on module m_in's output, or None where it
+    does not take them."""
+    module, chain = model.mtp[m], model.mtp[m_in] if model.chain_normed else None
+    assert isinstance(module, MTPModule) and (chain is None or isinstance(chain, MTPModule))
+    key = _key(model, module, chain)
+    got = _PLANS.get(module)
+    if got is not None and got[0] == key:
+        return got[1]
+    made = _make(model, module, chain, key)
+    _PLANS[module] = (key, made)
+    return made
+
+
+def _make(model: Transformer, module: MTPModule, chain: MTPModule | None,
+          key: tuple[object, ...]) -> Plan | None:
+    block_plan = key[0]
+    eh_proj = layer._product(module.eh_proj)
+    head, coarse, ids = _head(model)
+    embed = model.model.embed_tokens.weight
+    norms: list[RMSNorm] = [module.enorm, module.hnorm, module.norm]
+    if chain is not None:
+        norms.append(chain.norm)
+    if not isinstance(block_plan, layer.Plan) or eh_proj is None or head is None \
+            or embed.dtype != torch.bfloat16 or not embed.is_contiguous() \
+            or any(not isinstance(n, RMSNorm) or n.weight.dtype != torch.bfloat16
+                   or ctypes.c_float(n.eps).value != block_plan.c.eps
+                   or float(n.offset) != block_plan.c.offset
+                   or int(n.upcast) != block_plan.c.upcast for n in norms):
+        return None
+    held: list[object] = [block_plan, eh_proj.packed, embed, head.packed]
+    weights = [n.weight.detach().contiguous() for n in norms]
+    held += weights
+    if head.bias32 is not None:
+        held.append(head.bias32)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        held.append(ids)
+    if coarse is not None:
+        held.append(coarse)
+
+    def c_product(p: Packed) -> layer._Product:
+        return layer._Product(p.packed.data_ptr(), 4 if p.mode == "int4" else 8,
+                              p.out_features, p.native_group,
+                              None if p.bias32 is None else p.bias32.data_ptr())
+
+    hidden = block_plan.c.hidden
+    if eh_proj.out_features != hidden or embed.shape[1] != hidden:
+        return None
+    candidates = 0 if model.draft_head is None else model.draft_head.candidates
+    c = _MtpPlan(block_plan.c, c_product(eh_proj), embed.data_ptr(),
+                 *(w.data_ptr() for w in weights[:3]),
+                 weights[3].data_ptr() if chain is not None else None, embed.shape[0],
+                 int(module.hidden_first), c_product(head),
+                 None if coarse is None else coarse.data_ptr(), candidates,
+                 None if ids is None else ids.data_ptr())
+    return Plan(c, held)
+
+
+def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
+          prev: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
+          slots: Tensor | None = None, pos: Tensor | None = None, kv_len: int = 0,
+          span: tuple[int, int] | None = None, cache: KVCache | None = None
+          ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """Module m's greedy draft for each row: from `out` [B, 1, H], module m_in's output at
+    the previous position, and `prev` [B], the previous drafts, at positions `pos` [B, 1]
+    (their rotary `rope`) in the slots' `cache` of the module; or, without `prev`, from
+    `out` as the module's own output (a chain's first draft). Returns the module's output
+    [B, 1, H], the draft and (`prob`) the softmax's probability of it, [B, 1] each: what
+    `Transformer.mtp_forward` and `mtp_greedy` give; None where mtp.c does not take the
+    call."""
+    if model.assistant is not None or not rows.usable(out) or out.dim() != 3 \
+            or out.shape[1] != 1 or not out.is_contiguous() \
+            or (got := plan(model, m, m_in)) is None or out.shape[-1] != got.c.block.hidden:
+        return None
+    bsz = out.shape[0]
+    tok = torch.empty(bsz, 1, dtype=torch.int64)
+    top = torch.empty(bsz, 1)
+    lse = torch.empty(bsz, 1) if prob else None
+    if prev is None:
+        done = _draft(ctypes.byref(got.c), 0, out.data_ptr(), None, bsz, None, None, 0, None,
+                      None, 0, 0, None, None, 0, 0, torch.get_num_threads(), None,
+                      tok.data_ptr(), top.data_ptr(), None if lse is None else lse.data_ptr())
+        new = out
+    else:
+        assert rope is not None and slots is not None and pos is not None and cache is not None
+        k, v = cache.k, cache.v
+        if span is None or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 \
+                or not k.is_contiguous() or not v.is_contiguous() or k.shape != v.shape \
+                or k.shape[1] != got.c.block.kv_heads or k.shape[3] != got.c.block.head_dim \
+                or kv_len > k.shape[2] or span[1] - span[0] != bsz \
+                or not 0 <= span[0] < span[1] <= k.shape[0]:
+            return None
+        cos, sin = rope
+        rot = cos.shape[-1]
+        if cos.dtype != torch.bfloat16 or rot % 2 or rot > got.c.block.head_dim:
+            return None
+        cos, sin = rows.rope_rows(cos, sin, bsz, 1)
+        tokens = prev.reshape(bsz).to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        pos = pos.to(torch.int64).contiguous()
+        new = torch.empty_like(out)
+        done = _draft(ctypes.byref(got.c), 1, out.data_ptr(), tokens.data_ptr(), bsz,
+                      cos.data_ptr(), sin.data_ptr(), rot, slots.data_ptr(), pos.data_ptr(),
+                      span[0], kv_len, k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[2],
+                      torch.get_num_threads(), new.data_ptr(), tok.data_ptr(), top.data_ptr(),
+                      None if lse is None else lse.data_ptr())
+    if done in (-2, -4):  # a slot, position or token out of range: the Python path says which
+        return None
+    if done == -3:
+        raise ValueError("the MTP draft's kernel does not take its plan")
+    if done != 0:
+        raise MemoryError("the MTP draft's kernel could not allocate its scratch memory")
+    return new, tok, None if lse is None else torch.exp(top - lse)

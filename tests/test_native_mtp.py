@@ -1,0 +1,145 @@
+"""A greedy MTP draft in one call of our kernels (engine/native/mtp.c): the bits of the Python
+path (`Transformer.mtp_forward` and `mtp_greedy`, blocks by their Python forward) in the
+module's output, the draft, its probability and the cache entries the module writes, for
+the whole head, a reduced head's rows and its coarse pass; the same drafts, so the same
+acceptance, through generation; and the calls it does not take left to the Python path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, GenParams, native
+from engine.cache.kv import CacheBatch, KVCache
+from engine.model import block as block_py
+from engine.native import layer, mtp
+from training.synthetic import write_checkpoint
+
+pytestmark = pytest.mark.skipif(native.status() != "vnni",
+                                reason=f"the kernels do not run here: {native.status()}")
+
+# The drafts' head: the whole vocabulary (512 tokens); 64 of its tokens, their int4 rows
+# scored whole (four tiles of 16 rows as candidates: no coarse pass pays), or one tile of
+# them after a coarse pass.
+HEADS = {"whole": (0, 0), "rows": (64, 4), "coarse": (64, 1)}
+
+
+def _load(path: Path, quant: str, head: str, slots: int = 2) -> Engine:
+    size, candidates = HEADS[head]
+    engine = Engine.load(path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=slots,
+                         quant=quant, draft_vocab=size)
+    if engine.model.draft_head is not None:
+        engine.model.draft_head.candidates = candidates
+    return engine
+
+
+def _copy(cache: KVCache) -> KVCache:
+    out = KVCache.__new__(KVCache)
+    out.k, out.v = cache.k.clone(), cache.v.clone()
+    return out
+
+
+@pytest.mark.parametrize(("quant", "head"), [("int8", "whole"), ("int4", "whole"),
+                                             ("int8", "rows"), ("int4", "coarse")])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-qwen3.5"])
+def test_a_draft_in_one_call_gives_the_python_paths_bits(
+        tmp_path: Path, preset: str, quant: str, head: str) -> None:
+    """Qwen2 and Qwen3 modules (the chain's states as they are) and Qwen3.5's (normed); the
+    head whole, a reduced head's int8 rows, its int4 rows' coarse pass; a chain's first
+    draft and a later one; one slot and two, with and without the draft's probability."""
+    write_checkpoint(tmp_path, preset, seed=4)
+    engine = _load(tmp_path, quant, head)
+    model = engine.model
+    assert model.draft_runner is mtp.draft and model.num_mtp
+    reduced = model.draft_head
+    assert (reduced is None) == (head == "whole")
+    if reduced is not None:
+        assert (reduced.coarse() is not None) == (head == "coarse")
+    assert mtp.plan(model, 0, 0) is not None
+    cache = engine.caches.modules[0][0]
+    assert isinstance(cache, KVCache)
+    gen = torch.Generator().manual_seed(2)
+    hidden, vocab = model.cfg.hidden_size, model.cfg.vocab_size
+    for slots, starts in [([0], [5]), ([0, 1], [9, 3]), ([1], [6])]:
+        bsz = len(slots)
+        pos = torch.tensor(starts)[:, None]
+        out = (torch.randn(bsz, 1, hidden, generator=gen) * 2).bfloat16()
+        prev = torch.randint(0, vocab, (bsz,), generator=gen)
+        span = (slots[0], slots[-1] + 1)
+        for prob in (True, False):
+            ours, theirs = _copy(cache), _copy(cache)
+            with torch.inference_mode():
+                first = mtp.draft(model, 0, out, prob=prob)
+                got = mtp.draft(model, 0, out, prob=prob, m_in=0, prev=prev,
+                                rope=engine.caches.rope(pos), slots=torch.tensor(slots),
+                                pos=pos, kv_len=cache.k.shape[2], span=span, cache=ours)
+                model.block_runner = block_py.run_block
+                new = model.mtp_forward(0, model.chain_hidden(0, out), prev[:, None],
+                                        engine.caches.rope(pos),
+                                        CacheBatch(torch.tensor(slots), pos, cache.k.shape[2],
+                                                   span), [theirs])
+                want, want_first = model.mtp_greedy(0, new, prob), model.mtp_greedy(0, out, prob)
+                model.block_runner = layer.run_block
+            assert first is not None and got is not None and want is not None \
+                and want_first is not None
+            assert first[0] is out and torch.equal(first[1], want_first[0])
+            assert torch.equal(got[0], new) and torch.equal(got[1], want[0])
+            for made, expected in ((first[2], want_first[1]), (got[2], want[1])):
+                assert (made is None) == (not prob) == (expected is None)
+                assert made is None or torch.equal(made, expected)
+            assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)
+            assert not torch.equal(ours.k, cache.k)  # (the module's keys written)
+            if reduced is not None:
+                assert set(got[1].flatten().tolist()) <= set(reduced.ids.tolist())
+
+
+@pytest.mark.parametrize("head", ["whole", "coarse"])
+def test_generation_drafts_the_same_tokens_through_it(tmp_path: Path, head: str) -> None:
+    """The same drafts, so the same acceptance step by step, at fixed and adaptive K; output
+    plain decoding's."""
+    write_checkpoint(tmp_path, "tiny-qwen3", seed=5, train_steps=40)
+    engine = _load(tmp_path, "int4", head, slots=1)
+    model = engine.model
+    prompt = engine.tokenizer.encode("def add(a, b):\n    return")
+    plain = engine.generate(prompt, GenParams(24, speculative=False, stop_loops=False)).tokens
+    runs = {}
+    for runner in (mtp.draft, None):
+        model.draft_runner = runner
+        for k in (3, None):
+            engine.clear_cache()
+            with engine.policy.aside():
+                out = engine.generate(prompt, GenParams(24, k=k, stop_loops=False,
+                                                        drafts="mtp"))
+            assert out.tokens == plain
+            runs[runner is None, k] = (out.stats.steps, out.stats.accepted,
+                                       sorted(out.stats.k_hist.items()))
+    assert runs[True, 3] == runs[False, 3] and runs[True, None] == runs[False, None], runs
+    assert runs[False, 3][1] > 0  # (drafts accepted: the trained toy drafts)
+
+
+def test_calls_it_does_not_take_run_the_python_path(tmp_path: Path) -> None:
+    """A draft token outside the vocabulary, slots that are not consecutive, weights not in
+    our layouts: None, and the Python path runs (and says what is wrong)."""
+    write_checkpoint(tmp_path, "tiny-qwen2", seed=2)
+    engine = _load(tmp_path, "int8", "whole")
+    model, cache = engine.model, engine.caches.modules[0][0]
+    assert isinstance(cache, KVCache)
+    out = torch.randn(1, 1, model.cfg.hidden_size).bfloat16()
+    pos = torch.tensor([[4]])
+    kw = {"m_in": 0, "rope": engine.caches.rope(pos), "slots": torch.tensor([0]), "pos": pos,
+          "kv_len": cache.k.shape[2], "cache": _copy(cache)}
+    with torch.inference_mode():
+        assert mtp.draft(model, 0, out, prob=True, prev=torch.tensor([3]), span=(0, 1),
+                         **kw) is not None
+        bad = torch.tensor([model.cfg.vocab_size])
+        assert mtp.draft(model, 0, out, prob=True, prev=bad, span=(0, 1), **kw) is None
+        with pytest.raises(IndexError):
+            model.mtp_forward(0, out, bad[:, None], kw["rope"],
+                              CacheBatch(kw["slots"], pos, cache.k.shape[2], (0, 1)), [cache])
+        assert mtp.draft(model, 0, out, prob=True, prev=torch.tensor([3]), span=None,
+                         **kw) is None
+    unquantized = _load(tmp_path, "none", "whole")
+    assert unquantized.model.draft_runner is mtp.draft
+    assert mtp.plan(unquantized.model, 0, 0) is None
