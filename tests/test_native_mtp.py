@@ -74,7 +74,7 @@ def test_a_draft_in_one_call_gives_the_python_paths_bits(
                 first = mtp.draft(model, 0, out, prob=prob)
                 got = mtp.draft(model, 0, out, prob=prob, m_in=0, prev=prev,
                                 rope=engine.caches.rope(pos), slots=torch.tensor(slots),
-                                pos=pos, kv_len=cache.k.shape[2], span=span, cache=ours)
+                                pos=pos, kv_len=cache.k.shape[2], span=span, caches=[ours])
                 model.block_runner = block_py.run_block
                 new = model.mtp_forward(0, model.chain_hidden(0, out), prev[:, None],
                                         engine.caches.rope(pos),
@@ -129,7 +129,7 @@ def test_calls_it_does_not_take_run_the_python_path(tmp_path: Path) -> None:
     out = torch.randn(1, 1, model.cfg.hidden_size).bfloat16()
     pos = torch.tensor([[4]])
     kw = {"m_in": 0, "rope": engine.caches.rope(pos), "slots": torch.tensor([0]), "pos": pos,
-          "kv_len": cache.k.shape[2], "cache": _copy(cache)}
+          "kv_len": cache.k.shape[2], "caches": [_copy(cache)]}
     with torch.inference_mode():
         assert mtp.draft(model, 0, out, prob=True, prev=torch.tensor([3]), span=(0, 1),
                          **kw) is not None
@@ -143,3 +143,23 @@ def test_calls_it_does_not_take_run_the_python_path(tmp_path: Path) -> None:
     unquantized = _load(tmp_path, "none", "whole")
     assert unquantized.model.draft_runner is mtp.draft
     assert mtp.plan(unquantized.model, 0, 0) is None
+
+
+def test_a_changed_draft_head_makes_a_new_plan(tmp_path: Path) -> None:
+    """The reduced head's candidates changed (a coarse pass that no longer pays): the next
+    draft reads the new head, with the Python path's bits."""
+    write_checkpoint(tmp_path, "tiny-qwen3", seed=7)
+    engine = _load(tmp_path, "int4", "coarse")
+    model, head = engine.model, engine.model.draft_head
+    assert head is not None
+    before = mtp.plan(model, 0, 0)
+    assert before is not None and before.c.coarse is not None
+    head.candidates = 4
+    after = mtp.plan(model, 0, 0)
+    assert after is not None and after is not before and not after.c.coarse
+    assert mtp.plan(model, 0, 0) is after
+    out = torch.randn(2, 1, model.cfg.hidden_size).bfloat16()
+    with torch.inference_mode():
+        got, want = mtp.draft(model, 0, out, prob=True), model.mtp_greedy(0, out, True)
+    assert got is not None and want is not None and want[1] is not None
+    assert torch.equal(got[1], want[0]) and got[2] is not None and torch.equal(got[2], want[1])

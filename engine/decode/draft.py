@@ -88,7 +88,8 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
     greedy: tuple[Tensor, Tensor | None] | None = None
     native = _native_draft(model, caches, slots, j, m_in, m, out, prev, base, kv_len, span,
                            confident=confident, first=first) \
-        if model.draft_runner is not None and not sampling.sampled else None
+        if model.draft_runner is not None and not sampling.sampled \
+        and model.assistant is None else None
     if native is not None:
         out, greedy = native[0], native[1:]
     elif not first and model.assistant is not None:  # every draft queries from `base`
@@ -136,7 +137,7 @@ def _native_draft(model: Transformer, caches: Caches, slots: Tensor, j: Tensor, 
         return runner(model, m, out, prob=confident)
     pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
     return runner(model, m, out, prob=confident, m_in=m_in, prev=prev, rope=caches.rope(pos),
-                  slots=slots, pos=pos, kv_len=kv_len, span=span, cache=caches.modules[m][0])
+                  slots=slots, pos=pos, kv_len=kv_len, span=span, caches=caches.modules[m])
 
 
 def chain_rule(accept: Tensor, limit: Tensor, j: int | Tensor, survival: Tensor, conf: Tensor,

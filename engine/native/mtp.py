@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,9 +47,10 @@ class Plan:
         self.c, self.held = c, held
 
 
-# Per module: (what its plan was made from, the plan or None), gone with the module.
-_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], Plan | None]] = \
-    weakref.WeakKeyDictionary()
+# Per module, and per module its chain comes from: (what the plan was made from, the plan or
+# None); gone with the module.
+_PLANS: weakref.WeakKeyDictionary[
+    nn.Module, dict[int, tuple[tuple[object, ...], Plan | None]]] = weakref.WeakKeyDictionary()
 
 
 @functools.cache
@@ -81,14 +83,17 @@ def _head(model: Transformer) -> tuple[Packed | None, Tensor | None, Tensor | No
 def _key(model: Transformer, module: MTPModule, chain: MTPModule | None
          ) -> tuple[object, ...]:
     """What a plan is made from: the block's plan (itself remade when its block changes),
-    the projection, the embedding, the norms' weights, the drafts' head."""
+    the projection, the embedding, the norms' weights, the drafts' head (tensors by where
+    they are: a tuple of them would compare their values)."""
     block = module.blocks[0] if len(module.blocks) == 1 else None
     head = model.draft_head
     return (None if block is None else layer.plan(block), module.eh_proj,
             model.model.embed_tokens.weight.data_ptr(),
             *(n.weight.data_ptr() for n in (module.enorm, module.hnorm, module.norm)),
             None if chain is None else chain.norm.weight.data_ptr(),
-            head, None if head is None else (head.rows, head.coarse()), model.head_weight)
+            head, None if head is None else (head.rows, layer._data_ptr(head.coarse()),
+                                             head.candidates),
+            model.head_weight)
 
 
 def plan(model: Transformer, m: int, m_in: int) -> Plan | None:
@@ -97,11 +102,12 @@ def plan(model: Transformer, m: int, m_in: int) -> Plan | None:
     module, chain = model.mtp[m], model.mtp[m_in] if model.chain_normed else None
     assert isinstance(module, MTPModule) and (chain is None or isinstance(chain, MTPModule))
     key = _key(model, module, chain)
-    got = _PLANS.get(module)
+    plans = _PLANS.setdefault(module, {})
+    got = plans.get(m_in)
     if got is not None and got[0] == key:
         return got[1]
     made = _make(model, module, chain, key)
-    _PLANS[module] = (key, made)
+    plans[m_in] = (key, made)
     return made
 
 
@@ -153,15 +159,15 @@ def _make(model: Transformer, module: MTPModule, chain: MTPModule | None,
 def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
           prev: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
           slots: Tensor | None = None, pos: Tensor | None = None, kv_len: int = 0,
-          span: tuple[int, int] | None = None, cache: KVCache | None = None
+          span: tuple[int, int] | None = None, caches: Sequence[object] = ()
           ) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """Module m's greedy draft for each row: from `out` [B, 1, H], module m_in's output at
     the previous position, and `prev` [B], the previous drafts, at positions `pos` [B, 1]
-    (their rotary `rope`) in the slots' `cache` of the module; or, without `prev`, from
-    `out` as the module's own output (a chain's first draft). Returns the module's output
-    [B, 1, H], the draft and (`prob`) the softmax's probability of it, [B, 1] each: what
-    `Transformer.mtp_forward` and `mtp_greedy` give; None where mtp.c does not take the
-    call."""
+    (their rotary `rope`) in the slots' `caches` of the module (its block's); or, without
+    `prev`, from `out` as the module's own output (a chain's first draft). Returns the
+    module's output [B, 1, H], the draft and (`prob`) the softmax's probability of it,
+    [B, 1] each: what `Transformer.mtp_forward` and `mtp_greedy` give; None where mtp.c
+    does not take the call."""
     if model.assistant is not None or not rows.usable(out) or out.dim() != 3 \
             or out.shape[1] != 1 or not out.is_contiguous() \
             or (got := plan(model, m, m_in)) is None or out.shape[-1] != got.c.block.hidden:
@@ -176,7 +182,9 @@ def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
                       tok.data_ptr(), top.data_ptr(), None if lse is None else lse.data_ptr())
         new = out
     else:
-        assert rope is not None and slots is not None and pos is not None and cache is not None
+        assert rope is not None and slots is not None and pos is not None
+        if len(caches) != 1 or not isinstance(cache := caches[0], KVCache):
+            return None
         k, v = cache.k, cache.v
         if span is None or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 \
                 or not k.is_contiguous() or not v.is_contiguous() or k.shape != v.shape \
