@@ -163,3 +163,67 @@ def test_a_changed_draft_head_makes_a_new_plan(tmp_path: Path) -> None:
         got, want = mtp.draft(model, 0, out, prob=True), model.mtp_greedy(0, out, True)
     assert got is not None and want is not None and want[1] is not None
     assert torch.equal(got[1], want[0]) and got[2] is not None and torch.equal(got[2], want[1])
+
+
+@pytest.mark.parametrize("confident", [True, False])
+def test_the_chain_rule_in_one_call_is_the_python_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bool) -> None:
+    """A chain of up to three drafts for two slots, its rule's tables and each row's limit,
+    floor and whether it adapts set to make rows stop at different drafts: the drafts, their
+    probabilities and the drafts each row keeps are the Python path's, early exit
+    included."""
+    from engine.decode.draft import draft_chain
+    from engine.decode.policy.calibration import CONFIDENCE_BINS
+    from engine.decode.sampling import RowSampling
+
+    write_checkpoint(tmp_path, "tiny-qwen3", seed=8)
+    engine = _load(tmp_path, "int4", "coarse")
+    model, state = engine.model, engine.state
+    with torch.no_grad():  # logits 25x as far apart: drafts' probabilities in every bin
+        model.mtp[0].norm.weight.mul_(25)
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([0, 1])
+    base = torch.tensor([7, 12])
+    sampling = RowSampling(torch.zeros(2), torch.ones(2), torch.zeros(2, dtype=torch.long),
+                           sampled=False, nucleus=False)
+    # each row's (limit, floor, whether it adapts)
+    cases = [([3, 3], [1, 1], [1, 1]), ([3, 2], [2, 1], [1, 0]), ([1, 3], [1, 3], [0, 1]),
+             ([3, 3], [1, 1], [1, 1]), ([2, 3], [1, 1], [1, 1])]
+    chained, kept_drafts = [], set()
+    c_draft = mtp._draft
+
+    def counted(*args: object) -> int:
+        chained.append(args[-1] is not None)  # the chain's rule given to mtp.c
+        return c_draft(*args)
+
+    monkeypatch.setattr(mtp, "_draft", counted)
+    for limit in (0.0, 0.2, 0.4, 0.6, 2.0):  # every row goes on ... each stops at its floor
+        for plan in cases:
+            accept = torch.rand(state.chain_accept.shape, generator=gen)
+            out = (torch.randn(2, 1, model.cfg.hidden_size, generator=gen) * 2).bfloat16()
+            results = []
+            for runner in (mtp.draft, None):
+                model.draft_runner = runner
+                state.plan[:2] = torch.tensor(plan).t()
+                state.chain_accept.copy_(accept)
+                state.chain_limit.fill_(limit)
+                state.tokens.zero_()
+                state.confidence.zero_()
+                state.num_drafts.zero_()
+                caches = [_copy(c) for c in engine.caches.modules[0]]
+                kept = engine.caches.modules[0]
+                engine.caches.modules[0] = caches
+                with torch.inference_mode():
+                    draft_chain(model, engine.caches, state, slots, out, base, 3, 32,
+                                sampling, confident=confident, early_exit=True, span=(0, 2))
+                engine.caches.modules[0] = kept
+                results.append((state.tokens[:2].clone(), state.confidence[:2].clone(),
+                                state.num_drafts[:2].clone(), caches[0].k.clone()))
+            for ours, theirs in zip(*results, strict=True):
+                assert torch.equal(ours, theirs), (limit, plan)
+            kept_drafts.add(tuple(results[0][2].tolist()))
+    assert state.chain_accept.shape[1] == CONFIDENCE_BINS
+    assert chained and all(chained)
+    # rows kept different numbers of drafts: the rule (or, without probabilities, the limits)
+    assert len(kept_drafts) > (2 if confident else 1), kept_drafts
+    model.draft_runner = mtp.draft

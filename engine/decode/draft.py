@@ -29,6 +29,7 @@ from engine.decode.random import DRAFT
 from engine.decode.sampling import RowSampling
 from engine.decode.state import ADAPTIVE, FLOOR, K_LIMIT, DecodeState
 from engine.model.transformer import Transformer
+from engine.native.mtp import ChainArgs, Drafted
 
 
 @dataclass(slots=True)
@@ -41,13 +42,17 @@ class Chain:
     count: Tensor  # [B] drafts kept so far
     alive: Tensor  # [B] bool: whether the row's next draft is kept
     survival: Tensor  # [B] float: the chance that all its drafts so far are accepted
+    # The rows still drafting, where our kernels ran the last draft's rule (else None: read
+    # `alive`)
+    live: int | None = None
 
     @classmethod
     def start(cls, state: DecodeState, slots: Tensor) -> Chain:
         plan = state.plan[slots]
-        k_limit = plan[:, K_LIMIT]
-        return cls(k_limit, plan[:, FLOOR], plan[:, ADAPTIVE] > 0, torch.zeros_like(k_limit),
-                   k_limit > 0, torch.ones(k_limit.shape, device=k_limit.device))
+        k_limit = plan[:, K_LIMIT].contiguous()  # (mtp.c reads them as [B])
+        return cls(k_limit, plan[:, FLOOR].contiguous(), plan[:, ADAPTIVE] > 0,
+                   torch.zeros_like(k_limit), k_limit > 0,
+                   torch.ones(k_limit.shape, device=k_limit.device))
 
 
 def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: Tensor,
@@ -68,7 +73,8 @@ def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: T
         m_in, m = m, max(min(j, model.num_mtp), 1) - 1  # the assistant: as module 0
         out, tok = draft(model, caches, state, slots, step, m_in, m, out, tok, base, kv_len,
                          sampling, chain, confident=confident, first=j == 1, span=span)
-        if early_exit and j < k and not bool(chain.alive.any()):
+        if early_exit and j < k and not (bool(chain.alive.any()) if chain.live is None
+                                         else chain.live):
             break
     state.num_drafts[slots] = chain.count
 
@@ -86,12 +92,16 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
     draft, its probability and (sampled rows) its distribution into the slots' buffers;
     advances `chain`. Returns the module's output [B, 1, H] and the draft [B]."""
     greedy: tuple[Tensor, Tensor | None] | None = None
-    native = _native_draft(model, caches, slots, j, m_in, m, out, prev, base, kv_len, span,
-                           confident=confident, first=first) \
+    native = _native_draft(model, caches, state, slots, j, m_in, m, out, prev, base, kv_len,
+                           span, chain, confident=confident, first=first) \
         if model.draft_runner is not None and not sampling.sampled \
         and model.assistant is None else None
+    if native is not None and native.live is not None:  # the chain's rule ran there too
+        chain.live = native.live
+        return native.out, native.tok[:, 0]
+    chain.live = None
     if native is not None:
-        out, greedy = native[0], native[1:]
+        out, greedy = native.out, (native.tok, native.prob)
     elif not first and model.assistant is not None:  # every draft queries from `base`
         out = assist(model, caches, slots, model.chain_hidden(m_in, out), prev[:, None], base,
                      kv_len, span)
@@ -125,19 +135,24 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
     return out, tok[:, 0]
 
 
-def _native_draft(model: Transformer, caches: Caches, slots: Tensor, j: Tensor, m_in: int,
-                  m: int, out: Tensor, prev: Tensor, base: Tensor, kv_len: int,
-                  span: tuple[int, int] | None, *, confident: bool, first: bool
-                  ) -> tuple[Tensor, Tensor, Tensor | None] | None:
-    """`draft_one`'s module output, greedy draft and its probability in one call of our
-    kernels (`Transformer.draft_runner`: native/mtp.py), or None where they do not take it."""
+def _native_draft(model: Transformer, caches: Caches, state: DecodeState, slots: Tensor,
+                  j: Tensor, m_in: int, m: int, out: Tensor, prev: Tensor, base: Tensor,
+                  kv_len: int, span: tuple[int, int] | None, chain: Chain, *, confident: bool,
+                  first: bool) -> Drafted | None:
+    """`draft_one`'s draft in one call of our kernels (`Transformer.draft_runner`:
+    native/mtp.py), the chain's rule after it included, or None where they do not take
+    it."""
     runner = model.draft_runner
     assert runner is not None
+    args = ChainArgs(int(j), state.tokens, state.confidence if confident else None,
+                     state.chain_accept, state.chain_limit, chain.k_limit, chain.floor,
+                     chain.adaptive, chain.count, chain.alive, chain.survival)
     if first:
-        return runner(model, m, out, prob=confident)
+        return runner(model, m, out, prob=confident, slots=slots, chain=args)
     pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
     return runner(model, m, out, prob=confident, m_in=m_in, prev=prev, rope=caches.rope(pos),
-                  slots=slots, pos=pos, kv_len=kv_len, span=span, caches=caches.modules[m])
+                  slots=slots, pos=pos, kv_len=kv_len, span=span, caches=caches.modules[m],
+                  chain=args)
 
 
 def chain_rule(accept: Tensor, limit: Tensor, j: int | Tensor, survival: Tensor, conf: Tensor,

@@ -12,7 +12,7 @@ A Gemma 4 model may draft with its assistant (`assistant.py`) in the MTP modules
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +57,7 @@ class Transformer(nn.Module):
         self.linear_runner: Callable[..., Tensor] = run_block
         # A greedy draft in one call where the blocks run so (native/mtp.py `draft`), else
         # None: decode/draft.py's Python path.
-        self.draft_runner: Callable[..., tuple[Tensor, Tensor, Tensor | None] | None] | None \
-            = None
+        self.draft_runner: Callable[..., Any] | None = None
         # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).
@@ -174,12 +173,12 @@ class Transformer(nn.Module):
             if picked is not None:
                 index, top, lse = picked
                 tok = self.draft_head.ids[index]
-                return tok, None if lse is None else torch.exp(top - lse)
+                return tok, None if lse is None else rows.probability(top, lse)
         _, best = self.head_top(x, None if self.draft_head is None else self.draft_head.rows)
         assert best is not None  # the logits take out's dtype and device, which rows.c takes
         index, top, lse = best
         tok = index if self.draft_head is None else self.draft_head.ids[index]
-        return tok, torch.exp(top - lse) if prob else None
+        return tok, rows.probability(top, lse) if prob else None
 
     def chain_hidden(self, i: int, out: Tensor) -> Tensor:
         """What the next draft step receives as its hidden state."""

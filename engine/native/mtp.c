@@ -23,6 +23,7 @@ int wq_linear_top(const uint8_t *w, int bits, int64_t N, int64_t K, int64_t G,
 int wq_draft_pick(const uint8_t *w2, const uint8_t *w4, int64_t N, int64_t K, int64_t G,
                   const void *x, int64_t M, int bf16, int64_t C, int threads, int64_t *index,
                   float *top, float *lse);
+void exp_difference(const float *a, const float *b, int64_t n, float *out);
 void rms_norm(const uint16_t *x, int64_t x_stride, const uint16_t *res, int64_t res_stride,
               uint16_t *h_out, int64_t rows, int64_t dim, const uint16_t *w, float offset,
               float eps, int upcast, uint16_t *out);
@@ -44,24 +45,81 @@ typedef struct {
     const int64_t *ids;         /* the reduced head's token ids, or NULL */
 } MtpPlan;
 
+/* The draft chain's state for B rows (decode/draft.py `Chain`) and the slots' buffers its
+   drafts go to (decode/state.py `DecodeState`), where the rule runs here: the chain's
+   stopping rule after draft j (policy/chain.py), as draft.py's `draft_one` and `chain_rule`
+   run it, in the same float32 operations. */
+typedef struct {
+    int64_t j;                  /* the draft's number, 1 .. */
+    int64_t *tokens;            /* [rows, tokens_stride]: the pending token, then the drafts */
+    int64_t tokens_stride, rows;
+    float *confidence;          /* [rows, conf_stride], each draft's probability; NULL:
+                                   none computed (no row adapts) */
+    int64_t conf_stride;
+    const float *accept;        /* [positions, bins]: acceptance by position and bin */
+    const float *limit;         /* [positions + 1]: break-even survival per number of drafts */
+    int64_t positions, bins;
+    const int64_t *k_limit, *floor;  /* [B] */
+    const uint8_t *adaptive;    /* [B] bool */
+    int64_t *count;             /* [B] drafts kept so far */
+    uint8_t *alive;             /* [B] bool: whether the row's next draft is kept */
+    float *survival;            /* [B] the chance that all its drafts so far are accepted */
+} Chain;
+
+/* Draft j's tokens (and probabilities) into the slots' buffers and the chain's rule after
+   it; the rows still drafting. The probability is rows.c's `exp_difference` of top and lse,
+   as the Python path's (rows.py `probability`). */
+static int64_t chain_step(const Chain *c, int64_t B, const int64_t *slots, const int64_t *tok,
+                          const float *top, const float *lse) {
+    int64_t live = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t s = slots[b], j = c->j;
+        c->tokens[s * c->tokens_stride + j] = tok[b];
+        c->count[b] += c->alive[b] != 0;
+        int go = j < c->k_limit[b];
+        if (c->confidence) {
+            float conf;
+            exp_difference(top + b, lse + b, 1, &conf);
+            const float v = conf * (float)c->bins;
+            int64_t bin = v >= 0 ? (int64_t)v : 0;  /* (NaN: 0, as torch's clamp gives) */
+            if (bin > c->bins - 1) bin = c->bins - 1;
+            c->confidence[s * c->conf_stride + j - 1] = conf;
+            c->survival[b] *= c->accept[(j - 1) * c->bins + bin];
+            go = go && (j < c->floor[b] || c->survival[b] > c->limit[j] || !c->adaptive[b]);
+        }
+        c->alive[b] = c->alive[b] && go;
+        live += c->alive[b];
+    }
+    return live;
+}
+
 /* B rows' drafts. forward != 0: the module runs first, on the previous module's outputs prev
    [B, hidden] and the previous drafts tokens [B] at positions pos (its block's rope rows,
    slots and cache as layer.c's `layer_forward` takes them), its outputs into out [B, hidden];
    forward == 0: prev is already the module's output (a chain's first draft). Then tok [B],
    the draft; top [B], its logit; lse [B] (where not NULL), the log-sum-exp of the drafts'
-   logits (the coarse pass's outside the candidates). Returns 0; -1 where scratch memory
-   could not be had; -2 where a slot or position is outside the cache, -4 where a token is
+   logits (the coarse pass's outside the candidates). With `chain` (its probabilities need
+   lse), the drafts and their probabilities go into the slots' buffers and the chain's rule
+   runs after them (`chain_step`; slots [B] then given for a first draft too). Returns 0, or
+   with `chain` the rows still drafting; -1 where scratch memory could not be had; -2 where
+   a slot or position is outside the cache or the buffers, -4 where a token is
    outside the vocabulary (nothing written); -3 where the plan's shapes do not fit. */
 int mtp_draft(const MtpPlan *p, int forward, const uint16_t *prev, const int64_t *tokens,
               int64_t B, const uint16_t *cos, const uint16_t *sin, int64_t rot,
               const int64_t *slots, const int64_t *pos, int64_t first_slot, int64_t kv_len,
               uint16_t *ck, uint16_t *cv, int64_t num_slots, int64_t length, int threads,
-              uint16_t *out, int64_t *tok, float *top, float *lse) {
+              uint16_t *out, int64_t *tok, float *top, float *lse, const Chain *chain) {
     const int64_t H = p->block.hidden, N = p->head.n;
     const float eps = p->block.eps, offset = p->block.offset;
     const int upcast = (int)p->block.upcast;
-    if (p->eh_proj.n != H || N < 1 || (p->coarse && !p->ids))
+    if (p->eh_proj.n != H || N < 1 || (p->coarse && !p->ids)
+        || (chain && (chain->j < 1 || chain->j > chain->positions || chain->bins < 1
+                      || chain->j >= chain->tokens_stride || (chain->confidence
+                      && (!lse || chain->j > chain->conf_stride)))))
         return -3;
+    if (chain)
+        for (int64_t b = 0; b < B; b++)
+            if (slots[b] < 0 || slots[b] >= chain->rows) return -2;
     if (forward)
         for (int64_t b = 0; b < B; b++)
             if (tokens[b] < 0 || tokens[b] >= p->vocab) return -4;
@@ -118,7 +176,7 @@ int mtp_draft(const MtpPlan *p, int forward, const uint16_t *prev, const int64_t
         goto done;
     }
     for (int64_t b = 0; b < B; b++) tok[b] = p->ids ? p->ids[index[b]] : index[b];
-    rc = 0;
+    rc = chain ? (int)chain_step(chain, B, slots, tok, top, lse) : 0;
 done:
     free(scratch); free(index); free(sums);
     return rc;

@@ -15,7 +15,7 @@ import ctypes
 import functools
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,38 @@ class _MtpPlan(ctypes.Structure):
                 ("enorm", ptr), ("hnorm", ptr), ("norm", ptr), ("chain_norm", ptr),
                 ("vocab", i64), ("hidden_first", i64), ("head", layer._Product),
                 ("coarse", ptr), ("candidates", i64), ("ids", ptr)]
+
+
+class _Chain(ctypes.Structure):
+    _fields_ = [("j", i64), ("tokens", ptr), ("tokens_stride", i64), ("rows", i64),
+                ("confidence", ptr), ("conf_stride", i64), ("accept", ptr), ("limit", ptr),
+                ("positions", i64), ("bins", i64), ("k_limit", ptr), ("floor", ptr),
+                ("adaptive", ptr), ("count", ptr), ("alive", ptr), ("survival", ptr)]
+
+
+class ChainArgs(NamedTuple):
+    """The draft chain's state and the slots' buffers, for mtp.c to run the chain's rule
+    after draft j (decode/draft.py `Chain`, decode/state.py `DecodeState`): updated in
+    place."""
+
+    j: int
+    tokens: Tensor  # [slots, k_max + 1] int64
+    confidence: Tensor | None  # [slots, k] float32, or None: no probabilities computed
+    accept: Tensor  # [k, bins] float32
+    limit: Tensor  # [k + 1] float32
+    k_limit: Tensor  # [B] int64
+    floor: Tensor  # [B] int64
+    adaptive: Tensor  # [B] bool
+    made: Tensor  # [B] int64: drafts kept so far
+    alive: Tensor  # [B] bool
+    survival: Tensor  # [B] float32
+
+
+class Drafted(NamedTuple):
+    out: Tensor  # [B, 1, H] the module's output
+    tok: Tensor  # [B, 1] the draft
+    prob: Tensor | None  # [B, 1] its probability, where asked for (none where the chain ran)
+    live: int | None  # with a chain: the rows still drafting
 
 
 class Plan:
@@ -156,30 +188,62 @@ def _make(model: Transformer, module: MTPModule, chain: MTPModule | None,
     return Plan(c, held)
 
 
+def _c_chain(chain: ChainArgs, bsz: int) -> _Chain | None:
+    """The chain as mtp.c takes it, or None where its tensors are not as it reads them."""
+    conf = chain.confidence
+    tensors = [(chain.tokens, torch.int64), (chain.accept, torch.float32),
+               (chain.limit, torch.float32), (chain.k_limit, torch.int64),
+               (chain.floor, torch.int64), (chain.adaptive, torch.bool),
+               (chain.made, torch.int64), (chain.alive, torch.bool),
+               (chain.survival, torch.float32)] + ([] if conf is None else [(conf, torch.float32)])
+    if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
+           for t, dtype in tensors) \
+            or any(t.shape != (bsz,) for t in chain[5:]) or chain.tokens.dim() != 2 \
+            or chain.accept.dim() != 2 or chain.limit.shape != (chain.accept.shape[0] + 1,) \
+            or (conf is not None and conf.dim() != 2):
+        return None
+    return _Chain(chain.j, chain.tokens.data_ptr(), chain.tokens.shape[1], chain.tokens.shape[0],
+                  None if conf is None else conf.data_ptr(), 0 if conf is None else conf.shape[1],
+                  chain.accept.data_ptr(), chain.limit.data_ptr(), chain.accept.shape[0],
+                  chain.accept.shape[1], chain.k_limit.data_ptr(), chain.floor.data_ptr(),
+                  chain.adaptive.data_ptr(), chain.made.data_ptr(), chain.alive.data_ptr(),
+                  chain.survival.data_ptr())
+
+
 def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
           prev: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None,
           slots: Tensor | None = None, pos: Tensor | None = None, kv_len: int = 0,
-          span: tuple[int, int] | None = None, caches: Sequence[object] = ()
-          ) -> tuple[Tensor, Tensor, Tensor | None] | None:
+          span: tuple[int, int] | None = None, caches: Sequence[object] = (),
+          chain: ChainArgs | None = None) -> Drafted | None:
     """Module m's greedy draft for each row: from `out` [B, 1, H], module m_in's output at
     the previous position, and `prev` [B], the previous drafts, at positions `pos` [B, 1]
     (their rotary `rope`) in the slots' `caches` of the module (its block's); or, without
     `prev`, from `out` as the module's own output (a chain's first draft). Returns the
     module's output [B, 1, H], the draft and (`prob`) the softmax's probability of it,
-    [B, 1] each: what `Transformer.mtp_forward` and `mtp_greedy` give; None where mtp.c
-    does not take the call."""
+    [B, 1] each: what `Transformer.mtp_forward` and `mtp_greedy` give. With `chain` (and
+    `slots`), the drafts and (`prob`) their probabilities go into its buffers and the
+    chain's rule runs, in place: what `draft_one` does after the draft; then `live`, the
+    rows still drafting. None where mtp.c does not take the call."""
     if model.assistant is not None or not rows.usable(out) or out.dim() != 3 \
             or out.shape[1] != 1 or not out.is_contiguous() \
             or (got := plan(model, m, m_in)) is None or out.shape[-1] != got.c.block.hidden:
         return None
     bsz = out.shape[0]
+    c_chain = None
+    if chain is not None:
+        if slots is None or (prob != (chain.confidence is not None)) \
+                or (c_chain := _c_chain(chain, bsz)) is None:
+            return None
+        slots = slots.to(torch.int64).contiguous()
     tok = torch.empty(bsz, 1, dtype=torch.int64)
     top = torch.empty(bsz, 1)
     lse = torch.empty(bsz, 1) if prob else None
+    by_ref = None if c_chain is None else ctypes.byref(c_chain)
     if prev is None:
-        done = _draft(ctypes.byref(got.c), 0, out.data_ptr(), None, bsz, None, None, 0, None,
-                      None, 0, 0, None, None, 0, 0, torch.get_num_threads(), None,
-                      tok.data_ptr(), top.data_ptr(), None if lse is None else lse.data_ptr())
+        done = _draft(ctypes.byref(got.c), 0, out.data_ptr(), None, bsz, None, None, 0,
+                      None if slots is None else slots.data_ptr(), None, 0, 0, None, None, 0,
+                      0, torch.get_num_threads(), None, tok.data_ptr(), top.data_ptr(),
+                      None if lse is None else lse.data_ptr(), by_ref)
         new = out
     else:
         assert rope is not None and slots is not None and pos is not None
@@ -205,11 +269,13 @@ def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
                       cos.data_ptr(), sin.data_ptr(), rot, slots.data_ptr(), pos.data_ptr(),
                       span[0], kv_len, k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[2],
                       torch.get_num_threads(), new.data_ptr(), tok.data_ptr(), top.data_ptr(),
-                      None if lse is None else lse.data_ptr())
+                      None if lse is None else lse.data_ptr(), by_ref)
     if done in (-2, -4):  # a slot, position or token out of range: the Python path says which
         return None
     if done == -3:
         raise ValueError("the MTP draft's kernel does not take its plan")
-    if done != 0:
+    if done < 0:
         raise MemoryError("the MTP draft's kernel could not allocate its scratch memory")
-    return new, tok, None if lse is None else torch.exp(top - lse)
+    if c_chain is not None:
+        return Drafted(new, tok, None, done)
+    return Drafted(new, tok, None if lse is None else rows.probability(top, lse), None)

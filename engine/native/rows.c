@@ -188,3 +188,11 @@ void argmax_lse(const void *x, int64_t stride, int64_t rows, int64_t v, int bf16
         lse[r] = top + logf(_mm512_reduce_add_ps(total));
     }
 }
+
+/* out[i] = expf(a[i] - b[i]) for n floats: a draft's probability from its logit and the
+   log-sum-exp of its logits (rows.py `probability`; mtp.c's chain rule reads it so too), one
+   function for both so that their bits agree (torch's exp differs from libm's expf in about
+   one value of a hundred, by an ulp). */
+void exp_difference(const float *a, const float *b, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = expf(a[i] - b[i]);
+}

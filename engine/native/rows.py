@@ -24,15 +24,17 @@ i64, ptr = ctypes.c_int64, ctypes.c_void_p
 def _fns() -> tuple[Any, ...]:  # ctypes functions
     lib = native.kernels().lib
     norm, gate, rope, top = lib.rms_norm, lib.silu_mul, lib.rope, lib.argmax_lse
-    out_gate = lib.sigmoid_mul
+    out_gate, exp_diff = lib.sigmoid_mul, lib.exp_difference
     norm.restype = gate.restype = rope.restype = top.restype = out_gate.restype = None
+    exp_diff.restype = None
+    exp_diff.argtypes = [ptr, ptr, i64, ptr]
     out_gate.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr]
     norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_float,
                      ctypes.c_int, ptr]
     gate.argtypes = [ptr, i64, i64, i64, ptr]
     rope.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, ptr]
     top.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int]
-    return norm, gate, rope, top, out_gate
+    return norm, gate, rope, top, out_gate, exp_diff
 
 
 def usable(x: Tensor) -> bool:
@@ -158,6 +160,18 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _fns()[2](x.data_ptr(), x.stride(1), x.stride(2), bsz * seqlen, heads, dim,
               c.data_ptr(), s.data_ptr(), rot, out.data_ptr())
+    return out
+
+
+def probability(top: Tensor, lse: Tensor) -> Tensor:
+    """exp(top - lse): a draft's probability from its logit and the log-sum-exp of its
+    logits, by rows.c's `exp_difference` where it runs (the bits mtp.c's chain rule gives
+    it), else by torch."""
+    if top.dtype != torch.float32 or lse.dtype != torch.float32 or top.shape != lse.shape \
+            or not takes_logits(top) or not top.is_contiguous() or not lse.is_contiguous():
+        return torch.exp(top - lse)
+    out = torch.empty_like(top)
+    _fns()[5](top.data_ptr(), lse.data_ptr(), top.numel(), out.data_ptr())
     return out
 
 
