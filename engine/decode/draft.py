@@ -144,7 +144,7 @@ def _native_draft(model: Transformer, caches: Caches, state: DecodeState, slots:
     it."""
     runner = model.draft_runner
     assert runner is not None
-    args = ChainArgs(int(j), state.tokens, state.confidence if confident else None,
+    args = ChainArgs(j, state.tokens, state.confidence if confident else None,
                      state.chain_accept, state.chain_limit, chain.k_limit, chain.floor,
                      chain.adaptive, chain.count, chain.alive, chain.survival)
     if first:

@@ -3,7 +3,8 @@ module's output, normed where the chain passes normed states), the module's inpu
 next token's embedding and that state, each RMSNormed, side by side), its projection, its
 decoder block (layer.c), its final norm and the draft's pick over the drafts' head (the
 reduced head's coarse pass and candidates: wq.c `wq_draft_pick`; else the head's logits with
-their argmax and log-sum-exp: `wq_linear_top`).
+their argmax and log-sum-exp: `wq_linear_top`); and, where asked, the draft chain's rule
+after it (`chain_step`).
 
 Each part is the kernel the Python path calls (model/mtp.py, transformer.py `mtp_greedy`,
 decode/draft_vocab.py), with the same arguments in the same order, so the draft, its logit
@@ -50,7 +51,8 @@ typedef struct {
    stopping rule after draft j (policy/chain.py), as draft.py's `draft_one` and `chain_rule`
    run it, in the same float32 operations. */
 typedef struct {
-    int64_t j;                  /* the draft's number, 1 .. */
+    const int64_t *j;           /* the draft's number, 1 .. (read where the step keeps it: no
+                                   value of it comes back to the host) */
     int64_t *tokens;            /* [rows, tokens_stride]: the pending token, then the drafts */
     int64_t tokens_stride, rows;
     float *confidence;          /* [rows, conf_stride], each draft's probability; NULL:
@@ -73,7 +75,7 @@ static int64_t chain_step(const Chain *c, int64_t B, const int64_t *slots, const
                           const float *top, const float *lse) {
     int64_t live = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t s = slots[b], j = c->j;
+        const int64_t s = slots[b], j = *c->j;
         c->tokens[s * c->tokens_stride + j] = tok[b];
         c->count[b] += c->alive[b] != 0;
         int go = j < c->k_limit[b];
@@ -113,9 +115,9 @@ int mtp_draft(const MtpPlan *p, int forward, const uint16_t *prev, const int64_t
     const float eps = p->block.eps, offset = p->block.offset;
     const int upcast = (int)p->block.upcast;
     if (p->eh_proj.n != H || N < 1 || (p->coarse && !p->ids)
-        || (chain && (chain->j < 1 || chain->j > chain->positions || chain->bins < 1
-                      || chain->j >= chain->tokens_stride || (chain->confidence
-                      && (!lse || chain->j > chain->conf_stride)))))
+        || (chain && (*chain->j < 1 || *chain->j > chain->positions || chain->bins < 1
+                      || *chain->j >= chain->tokens_stride || (chain->confidence
+                      && (!lse || *chain->j > chain->conf_stride)))))
         return -3;
     if (chain)
         for (int64_t b = 0; b < B; b++)

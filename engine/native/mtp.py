@@ -1,8 +1,10 @@
 """A greedy draft of an MTP module in one call of mtp.c, where every part runs in our kernels:
 the chain's hidden state, the module's input (the next token's embedding and that state,
 normed, side by side), its projection, its block (layer.c, as layer.py takes it), its final
-norm and the draft's pick. The bits are the Python path's (decode/draft.py `draft_one`: the
-same kernels, the same order); what goes is ~25 calls of Python and torch a draft.
+norm and the draft's pick; given the chain's state, the draft chain's rule after it. The bits
+are the Python path's (decode/draft.py `draft_one`: the same kernels, the same order, the
+rule's float32 operations); what goes is ~25 calls of Python and torch a draft, and the
+rule's dozen.
 
 `draft` is `Transformer.draft_runner` on the engines whose blocks run by layer.py
 (exec/compile.py `step_fns`); a module, a head or a call it does not take returns None, and
@@ -39,7 +41,7 @@ class _MtpPlan(ctypes.Structure):
 
 
 class _Chain(ctypes.Structure):
-    _fields_ = [("j", i64), ("tokens", ptr), ("tokens_stride", i64), ("rows", i64),
+    _fields_ = [("j", ptr), ("tokens", ptr), ("tokens_stride", i64), ("rows", i64),
                 ("confidence", ptr), ("conf_stride", i64), ("accept", ptr), ("limit", ptr),
                 ("positions", i64), ("bins", i64), ("k_limit", ptr), ("floor", ptr),
                 ("adaptive", ptr), ("count", ptr), ("alive", ptr), ("survival", ptr)]
@@ -50,7 +52,7 @@ class ChainArgs(NamedTuple):
     after draft j (decode/draft.py `Chain`, decode/state.py `DecodeState`): updated in
     place."""
 
-    j: int
+    j: Tensor  # [1] int64: the draft's number (read by the kernel: no value to the host)
     tokens: Tensor  # [slots, k_max + 1] int64
     confidence: Tensor | None  # [slots, k] float32, or None: no probabilities computed
     accept: Tensor  # [k, bins] float32
@@ -191,23 +193,25 @@ def _make(model: Transformer, module: MTPModule, chain: MTPModule | None,
 def _c_chain(chain: ChainArgs, bsz: int) -> _Chain | None:
     """The chain as mtp.c takes it, or None where its tensors are not as it reads them."""
     conf = chain.confidence
-    tensors = [(chain.tokens, torch.int64), (chain.accept, torch.float32),
-               (chain.limit, torch.float32), (chain.k_limit, torch.int64),
-               (chain.floor, torch.int64), (chain.adaptive, torch.bool),
-               (chain.made, torch.int64), (chain.alive, torch.bool),
-               (chain.survival, torch.float32)] + ([] if conf is None else [(conf, torch.float32)])
+    tensors = [(chain.j, torch.int64), (chain.tokens, torch.int64),
+               (chain.accept, torch.float32), (chain.limit, torch.float32),
+               (chain.k_limit, torch.int64), (chain.floor, torch.int64),
+               (chain.adaptive, torch.bool), (chain.made, torch.int64),
+               (chain.alive, torch.bool), (chain.survival, torch.float32)]
+    if conf is not None:
+        tensors.append((conf, torch.float32))
     if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
            for t, dtype in tensors) \
             or any(t.shape != (bsz,) for t in chain[5:]) or chain.tokens.dim() != 2 \
             or chain.accept.dim() != 2 or chain.limit.shape != (chain.accept.shape[0] + 1,) \
-            or (conf is not None and conf.dim() != 2):
+            or chain.j.numel() != 1 or (conf is not None and conf.dim() != 2):
         return None
-    return _Chain(chain.j, chain.tokens.data_ptr(), chain.tokens.shape[1], chain.tokens.shape[0],
+    tokens, accept = chain.tokens, chain.accept
+    return _Chain(chain.j.data_ptr(), tokens.data_ptr(), tokens.shape[1], tokens.shape[0],
                   None if conf is None else conf.data_ptr(), 0 if conf is None else conf.shape[1],
-                  chain.accept.data_ptr(), chain.limit.data_ptr(), chain.accept.shape[0],
-                  chain.accept.shape[1], chain.k_limit.data_ptr(), chain.floor.data_ptr(),
-                  chain.adaptive.data_ptr(), chain.made.data_ptr(), chain.alive.data_ptr(),
-                  chain.survival.data_ptr())
+                  accept.data_ptr(), chain.limit.data_ptr(), accept.shape[0], accept.shape[1],
+                  chain.k_limit.data_ptr(), chain.floor.data_ptr(), chain.adaptive.data_ptr(),
+                  chain.made.data_ptr(), chain.alive.data_ptr(), chain.survival.data_ptr())
 
 
 def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
