@@ -107,7 +107,7 @@ def draft_one(model: Transformer, caches: Caches, state: DecodeState, slots: Ten
                      kv_len, span)
     elif not first:
         h = model.chain_hidden(m_in, out)
-        pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
+        pos = _module_pos(base, j, m)
         out = model.mtp_forward(m, h, prev[:, None], caches.rope(pos),
                                 CacheBatch(slots, pos, kv_len, span), caches.modules[m])
     if native is None and not sampling.sampled:
@@ -149,10 +149,15 @@ def _native_draft(model: Transformer, caches: Caches, state: DecodeState, slots:
                      chain.adaptive, chain.count, chain.alive, chain.survival)
     if first:
         return runner(model, m, out, prob=confident, slots=slots, chain=args)
-    pos = (base + j - (2 if m == 0 else 1 + m))[:, None]  # [B, 1]
+    pos = _module_pos(base, j, m)
     return runner(model, m, out, prob=confident, m_in=m_in, prev=prev, rope=caches.rope(pos),
                   slots=slots, pos=pos, kv_len=kv_len, span=span, caches=caches.modules[m],
                   chain=args)
+
+
+def _module_pos(base: Tensor, j: Tensor, m: int) -> Tensor:
+    """[B, 1]: where module m's entry for draft j goes (base [B]: the pending token's)."""
+    return (base + j - (2 if m == 0 else 1 + m))[:, None]
 
 
 def chain_rule(accept: Tensor, limit: Tensor, j: int | Tensor, survival: Tensor, conf: Tensor,

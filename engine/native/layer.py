@@ -46,7 +46,7 @@ class Plan:
 
     __slots__ = ("c", "held")
 
-    def __init__(self, c: _Plan, held: list[Tensor]) -> None:
+    def __init__(self, c: _Plan, held: list[object]) -> None:
         self.c, self.held = c, held
 
 
@@ -133,23 +133,47 @@ def _make(block: block_py.DecoderBlock) -> Plan | None:
     qkv_n, o_n, gate_up_n, down_n = (p.out_features for p in products)  # type: ignore[union-attr]
     if qkv_n != (hq * (1 + attn.gated) + 2 * hkv) * hd or gate_up_n % 2 or o_n != down_n:
         return None
-    held: list[Tensor] = []
-
-    def c_product(p: Packed) -> _Product:
-        held.append(p.packed)
-        if p.bias32 is not None:
-            held.append(p.bias32)
-        return _Product(p.packed.data_ptr(), 4 if p.mode == "int4" else 8, p.out_features,
-                        p.native_group, None if p.bias32 is None else p.bias32.data_ptr())
-
     weights = [n.weight.detach().contiguous() for n in norms]
-    held += weights
+    held: list[object] = [*weights]
     ptrs = [w.data_ptr() for w in weights] + [None] * (4 - len(weights))
-    qkv, o, gate_up, down = (c_product(p) for p in products)  # type: ignore[arg-type]
+    qkv, o, gate_up, down = (c_product(p, held) for p in products)  # type: ignore[arg-type]
     c = _Plan(qkv, o, gate_up, down, *ptrs, first.eps, float(first.offset), hd ** -0.5,
               int(first.upcast), o.n, hq, hkv, hd, gate_up.n // 2,
               native.kernels().attention_dot(torch.bfloat16), int(attn.gated))
     return Plan(c, held)
+
+
+def c_product(p: Packed, held: list[object]) -> _Product:
+    """A product as layer.c (and mtp.c) take it; the tensors it points to go into `held`."""
+    held.append(p.packed)
+    if p.bias32 is not None:
+        held.append(p.bias32)
+    return _Product(p.packed.data_ptr(), 4 if p.mode == "int4" else 8, p.out_features,
+                    p.native_group, None if p.bias32 is None else p.bias32.data_ptr())
+
+
+def takes_cache(got: Plan, cache: KVCache, kv_len: int, span: tuple[int, int] | None,
+                bsz: int) -> bool:
+    """Whether layer.c takes the block's cache for `bsz` consecutive slots at `span`: bf16
+    keys and values of the block's heads and widths, contiguous, kv_len entries within it,
+    the slots within its own."""
+    k, v = cache.k, cache.v
+    return span is not None and k.dtype == v.dtype == torch.bfloat16 and k.is_contiguous() \
+        and v.is_contiguous() and k.shape == v.shape and k.shape[1] == got.c.kv_heads \
+        and k.shape[3] == got.c.head_dim and kv_len <= k.shape[2] \
+        and span[1] - span[0] == bsz and 0 <= span[0] < span[1] <= k.shape[0]
+
+
+def rope_args(got: Plan, rope: tuple[Tensor, Tensor], bsz: int, seqlen: int
+              ) -> tuple[Tensor, Tensor, int] | None:
+    """cos and sin as layer.c takes them (a row a position: rows.py `rope_rows`) and the
+    rotated width; None where it does not (not bf16, an odd width or one past the head's)."""
+    cos, sin = rope
+    rot = cos.shape[-1]
+    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or rot % 2 \
+            or rot > got.c.head_dim:
+        return None
+    return (*rows.rope_rows(cos, sin, bsz, seqlen), rot)
 
 
 def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
@@ -157,21 +181,14 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
               cache: KVCache | StateCache | None = None) -> Tensor:
     """`block_py.run_block`, in one call of layer.c where it takes the block and the call."""
     if batch is None or not isinstance(cache, KVCache) or (got := plan(block)) is None \
-            or batch.span is None or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
-            or x.shape[-1] != got.c.hidden or cache.k.dtype != torch.bfloat16 \
-            or cache.v.dtype != torch.bfloat16 or not cache.k.is_contiguous() \
-            or not cache.v.is_contiguous() or cache.k.shape != cache.v.shape \
-            or cache.k.shape[1] != got.c.kv_heads or cache.k.shape[3] != got.c.head_dim \
-            or batch.kv_len > cache.k.shape[2] or batch.span[1] - batch.span[0] != x.shape[0] \
-            or not 0 <= batch.span[0] < batch.span[1] <= cache.k.shape[0]:
+            or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
+            or x.shape[-1] != got.c.hidden \
+            or not takes_cache(got, cache, batch.kv_len, batch.span, x.shape[0]) \
+            or (args := rope_args(got, rope, x.shape[0], x.shape[1])) is None:
         return block_py.run_block(block, x, rope, batch, cache)
+    assert batch.span is not None  # (takes_cache)
     bsz, seqlen, _ = x.shape
-    cos, sin = rope
-    rot = cos.shape[-1]
-    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or rot % 2 \
-            or rot > got.c.head_dim:
-        return block_py.run_block(block, x, rope, batch, cache)
-    cos, sin = rows.rope_rows(cos, sin, bsz, seqlen)
+    cos, sin, rot = args
     slots = batch.slots if batch.slots.dtype == torch.int64 else batch.slots.long()
     pos = batch.pos if batch.pos.dtype == torch.int64 else batch.pos.long()
     slots, pos = slots.contiguous(), pos.contiguous()

@@ -73,12 +73,13 @@ class Drafted(NamedTuple):
 
 
 class Plan:
-    """A module's draft as mtp.c takes it, with the tensors that hold it."""
+    """A module's draft as mtp.c takes it (with its block's layer.py plan), with the tensors
+    that hold it."""
 
-    __slots__ = ("c", "held")
+    __slots__ = ("block", "c", "held")
 
-    def __init__(self, c: _MtpPlan, held: list[object]) -> None:
-        self.c, self.held = c, held
+    def __init__(self, c: _MtpPlan, block: layer.Plan, held: list[object]) -> None:
+        self.c, self.block, self.held = c, block, held
 
 
 # Per module, and per module its chain comes from: (what the plan was made from, the plan or
@@ -161,33 +162,24 @@ def _make(model: Transformer, module: MTPModule, chain: MTPModule | None,
                    or float(n.offset) != block_plan.c.offset
                    or int(n.upcast) != block_plan.c.upcast for n in norms):
         return None
-    held: list[object] = [block_plan, eh_proj.packed, embed, head.packed]
+    hidden = block_plan.c.hidden
+    if eh_proj.out_features != hidden or embed.shape[1] != hidden:
+        return None
     weights = [n.weight.detach().contiguous() for n in norms]
-    held += weights
-    if head.bias32 is not None:
-        held.append(head.bias32)
+    held: list[object] = [embed, *weights]
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()
         held.append(ids)
     if coarse is not None:
         held.append(coarse)
-
-    def c_product(p: Packed) -> layer._Product:
-        return layer._Product(p.packed.data_ptr(), 4 if p.mode == "int4" else 8,
-                              p.out_features, p.native_group,
-                              None if p.bias32 is None else p.bias32.data_ptr())
-
-    hidden = block_plan.c.hidden
-    if eh_proj.out_features != hidden or embed.shape[1] != hidden:
-        return None
     candidates = 0 if model.draft_head is None else model.draft_head.candidates
-    c = _MtpPlan(block_plan.c, c_product(eh_proj), embed.data_ptr(),
+    c = _MtpPlan(block_plan.c, layer.c_product(eh_proj, held), embed.data_ptr(),
                  *(w.data_ptr() for w in weights[:3]),
                  weights[3].data_ptr() if chain is not None else None, embed.shape[0],
-                 int(module.hidden_first), c_product(head),
+                 int(module.hidden_first), layer.c_product(head, held),
                  None if coarse is None else coarse.data_ptr(), candidates,
                  None if ids is None else ids.data_ptr())
-    return Plan(c, held)
+    return Plan(c, block_plan, held)
 
 
 def _c_chain(chain: ChainArgs, bsz: int) -> _Chain | None:
@@ -230,14 +222,14 @@ def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
     rows still drafting. None where mtp.c does not take the call."""
     if model.assistant is not None or not rows.usable(out) or out.dim() != 3 \
             or out.shape[1] != 1 or not out.is_contiguous() \
-            or (got := plan(model, m, m_in)) is None or out.shape[-1] != got.c.block.hidden:
+            or (got := plan(model, m, m_in)) is None or out.shape[-1] != got.block.c.hidden:
         return None
     bsz = out.shape[0]
     c_chain = None
-    if chain is not None:
-        if slots is None or (prob != (chain.confidence is not None)) \
-                or (c_chain := _c_chain(chain, bsz)) is None:
-            return None
+    if chain is not None and (slots is None or (prob != (chain.confidence is not None))
+                              or (c_chain := _c_chain(chain, bsz)) is None):
+        return None
+    if slots is not None:
         slots = slots.to(torch.int64).contiguous()
     tok = torch.empty(bsz, 1, dtype=torch.int64)
     top = torch.empty(bsz, 1)
@@ -251,22 +243,14 @@ def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
         new = out
     else:
         assert rope is not None and slots is not None and pos is not None
-        if len(caches) != 1 or not isinstance(cache := caches[0], KVCache):
+        if len(caches) != 1 or not isinstance(cache := caches[0], KVCache) \
+                or not layer.takes_cache(got.block, cache, kv_len, span, bsz) \
+                or (args := layer.rope_args(got.block, rope, bsz, 1)) is None:
             return None
+        assert span is not None  # (takes_cache)
+        cos, sin, rot = args
         k, v = cache.k, cache.v
-        if span is None or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 \
-                or not k.is_contiguous() or not v.is_contiguous() or k.shape != v.shape \
-                or k.shape[1] != got.c.block.kv_heads or k.shape[3] != got.c.block.head_dim \
-                or kv_len > k.shape[2] or span[1] - span[0] != bsz \
-                or not 0 <= span[0] < span[1] <= k.shape[0]:
-            return None
-        cos, sin = rope
-        rot = cos.shape[-1]
-        if cos.dtype != torch.bfloat16 or rot % 2 or rot > got.c.block.head_dim:
-            return None
-        cos, sin = rows.rope_rows(cos, sin, bsz, 1)
         tokens = prev.reshape(bsz).to(torch.int64).contiguous()
-        slots = slots.to(torch.int64).contiguous()
         pos = pos.to(torch.int64).contiguous()
         new = torch.empty_like(out)
         done = _draft(ctypes.byref(got.c), 1, out.data_ptr(), tokens.data_ptr(), bsz,
