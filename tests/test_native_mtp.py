@@ -96,12 +96,16 @@ def test_a_draft_in_one_call_gives_the_python_paths_bits(
 
 
 @pytest.mark.parametrize("head", ["whole", "coarse"])
-def test_generation_drafts_the_same_tokens_through_it(tmp_path: Path, head: str) -> None:
+def test_generation_drafts_the_same_tokens_through_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, head: str) -> None:
     """The same drafts, so the same acceptance step by step, at fixed and adaptive K; output
-    plain decoding's."""
+    plain decoding's. (The steps' measured seconds left out of the K policy's costs: the
+    two paths take different times, and adaptive K would choose by them.)"""
     write_checkpoint(tmp_path, "tiny-qwen3", seed=5, train_steps=40)
     engine = _load(tmp_path, "int4", head, slots=1)
     model = engine.model
+    for costs in (engine.policy.costs, engine.policy.verify):
+        monkeypatch.setattr(costs, "observe", lambda *args: None)
     prompt = engine.tokenizer.encode("def add(a, b):\n    return")
     plain = engine.generate(prompt, GenParams(24, speculative=False, stop_loops=False)).tokens
     runs = {}
