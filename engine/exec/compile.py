@@ -71,14 +71,16 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     """The functions a step runs: eager, compiled whole, or with compiled blocks (a deep
     model's fixed-shape step, or a compiled eager-shaped one); the model's block runners are
     `run_block` again when `compiled` is False (on a CPU where our kernels run, layer.py's,
-    which runs each full-attention block our kernels take in one call, and mtp.py's, each
-    greedy draft; `AHEAD_BLOCKS=0` keeps the Python forward, to compare)."""
+    which runs each full-attention and Gated DeltaNet block our kernels take in one call,
+    and mtp.py's, each greedy draft; `AHEAD_BLOCKS=0` keeps the Python forward, to
+    compare)."""
     model.block_runner = model.linear_runner = run_block
     model.draft_runner = None
     if not compiled:
         if native.available() and next(model.parameters()).device.type == "cpu" \
                 and os.environ.get("AHEAD_BLOCKS", "1") != "0":
             model.block_runner = layer.run_block  # its blocks in one call where it can
+            model.linear_runner = layer.run_linear_block  # and its Gated DeltaNet blocks
             model.draft_runner = mtp.draft  # and its greedy drafts
         return EAGER
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))

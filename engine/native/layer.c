@@ -8,6 +8,8 @@ layers.py: rows.c, wq.c, attention.c), called here with the same arguments in th
 so a row's bits are the ones that path gives: what this saves is the path between them. A
 decode step of Qwen2-1.5B's shapes made ~35 calls of Python and torch a layer around its ~12
 kernels; on the 2-core EPYC those took 4-5 ms of a 37 ms step on one thread (docs/benchmarks.md).
+`gdn_block_forward` does the same for a Gated DeltaNet block (Qwen3.5's linear-attention
+layers), whose mixer is gdn.c's and deltanet.c's kernels between its two products.
 
 Rows are M = B * S tokens of bf16, x [M, hidden] contiguous. */
 #include <stdint.h>
@@ -39,9 +41,58 @@ int kv_write(const void *k, const void *v, int64_t B, int64_t H, int64_t S, int6
              void *ck, void *cv, int64_t csb, int64_t csh, const int64_t *slots,
              const int64_t *at, int64_t num_slots, int64_t length, int64_t size);
 
+int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, int64_t B,
+                int64_t S, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t Kc,
+                void *conv, int64_t R, const int64_t *slots, const int64_t *index,
+                const float *w, const float *a_log, const float *dt_bias,
+                float *q, float *k, float *v, float *decay, float *beta, int bf16,
+                int threads);
+int delta_rule(const float *q, const float *k, const float *v, const float *a,
+               const float *b, float *states, const int64_t *src, const int64_t *dst,
+               int64_t B, int64_t H, int64_t S, int64_t Dk, int64_t Dv, float *o,
+               int threads, float *d, const int64_t *base, const float *pk, const float *pd,
+               const float *pa, const int64_t *pn, int64_t P);
+int gdn_gated_norm(const float *o, int64_t B, int64_t S, int64_t Hv, int64_t Dv,
+                   const void *x, int64_t x_stride, int64_t z_off, const float *weight,
+                   float eps, void *out, int bf16);
+
 static int product(const Product *p, int64_t K, const uint16_t *x, uint16_t *y, int64_t M,
                    int threads) {
     return wq_linear(p->w, (int)p->bits, p->n, K, p->group, p->bias, x, y, M, 1, threads);
+}
+
+/* Scratch of `count` parts, sizes[i] bf16 elements each (32 more apiece), into parts; the
+   block to free, or NULL. */
+static uint16_t *scratch_parts(const int64_t *sizes, int count, uint16_t **parts) {
+    int64_t total = 0;
+    for (int i = 0; i < count; i++) total += sizes[i] + 32;
+    uint16_t *scratch = malloc(sizeof(uint16_t) * (size_t)total), *at = scratch;
+    for (int i = 0; scratch && i < count; i++) {
+        parts[i] = at;
+        at += sizes[i] + 32;
+    }
+    return scratch;
+}
+
+/* A block's second half: h = x + mixed and its norm (into xn), the fused gate and up
+   product, SwiGLU's gate, the down product, out = h + down (rounded as torch's bf16 add).
+   gu, act: scratch of M * 2 * inter and M * inter; down may be mixed's memory. */
+static int mlp_half(const Product *gate_up, const Product *down_p, const uint16_t *norm,
+                    float offset, float eps, int upcast, const uint16_t *x,
+                    const uint16_t *mixed, int64_t M, int64_t H, int64_t I, uint16_t *xn,
+                    uint16_t *h, uint16_t *gu, uint16_t *act, uint16_t *down, int threads,
+                    uint16_t *out) {
+    rms_norm(x, H, mixed, H, h, M, H, norm, offset, eps, upcast, xn);
+    if (product(gate_up, H, xn, gu, M, threads) != 0) return -1;
+    silu_mul(gu, 2 * I, M, I, act);
+    if (product(down_p, I, act, down, M, threads) != 0) return -1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < H; i += 16) {
+            const __mmask16 k = tail(H - i);
+            store16(out, m * H + i, _mm512_add_ps(load16_masked(h, m * H + i, k, 1),
+                                                  load16_masked(down, m * H + i, k, 1)), k, 1);
+        }
+    return 0;
 }
 
 /* out [M, hidden] = the block of x [M, hidden]: rows of B slots (slots[b], their caches'
@@ -67,15 +118,9 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
        SwiGLU's gate */
     const int64_t sizes[] = {M * H, M * nqkv, p->q_norm ? M * (nq + nkv) : 0, M * (nq + nkv),
                              (p->gated ? 2 : 1) * M * nq, M * H, M * H, M * 2 * I, M * I};
-    int64_t total = 0;
-    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) total += sizes[i] + 32;
-    uint16_t *scratch = malloc(sizeof(uint16_t) * (size_t)total);
+    uint16_t *parts[9];
+    uint16_t *scratch = scratch_parts(sizes, 9, parts);
     if (!scratch) return -1;
-    uint16_t *parts[9], *at = scratch;
-    for (size_t i = 0; i < 9; i++) {
-        parts[i] = at;
-        at += sizes[i] + 32;
-    }
     uint16_t *xn = parts[0], *qkv = parts[1], *normed = parts[2], *qk = parts[3],
              *att = parts[4], *o = parts[5], *h = parts[6], *gu = parts[7], *act = parts[8];
     int rc = -1;
@@ -117,18 +162,77 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
         att += M * nq;
     }
     if (product(&p->o, nq, att, o, M, threads) != 0) goto done;
-    /* h = x + o, its norm into xn */
-    rms_norm(x, H, o, H, h, M, H, p->post_norm, p->offset, p->eps, (int)p->upcast, xn);
-    if (product(&p->gate_up, H, xn, gu, M, threads) != 0) goto done;
-    silu_mul(gu, 2 * I, M, I, act);
-    uint16_t *down = o;  /* the output product's rows are free again */
-    if (product(&p->down, I, act, down, M, threads) != 0) goto done;
-    for (int64_t m = 0; m < M; m++)  /* h + down, rounded as torch's bf16 add */
-        for (int64_t i = 0; i < H; i += 16) {
-            const __mmask16 k = tail(H - i);
-            store16(out, m * H + i, _mm512_add_ps(load16_masked(h, m * H + i, k, 1),
-                                                  load16_masked(down, m * H + i, k, 1)), k, 1);
-        }
+    /* the MLP half (the down product into the output product's rows, free again) */
+    if (mlp_half(&p->gate_up, &p->down, p->post_norm, p->offset, p->eps, (int)p->upcast, x, o,
+                 M, H, I, xn, h, gu, act, o, threads, out) != 0)
+        goto done;
+    rc = 0;
+done:
+    free(scratch);
+    return rc;
+}
+
+/* out [M, hidden] = the Gated DeltaNet block of x [M, hidden] (model/block.py with
+   model/deltanet.py's `_step_native`): RMSNorm, the fused input projections, gdn.c's
+   convolution and gates (the conv states after each position written into the ring conv
+   [slots, ring, C, kernel - 1] after each row's committed entry index[slot]), deltanet.c's
+   delta rule (each row's state at element src[b] of `states`; the states after its
+   positions to dst [B, S], or with d none of them and each position's factor into d
+   [B, Hv, S, Dv]; base .. P: the committed states an earlier window left to this pass, as
+   `delta_rule` takes them), the gated norm, out_proj, then the MLP half. Rows are B slots of
+   S positions. k [B, Hv, S, k_dim] and decay [B, Hv, S] are the caller's (fp32): what a
+   window keeps for the commit's write. The same kernels with the same arguments in the same
+   order as that Python path: its bits. Returns 0; -1 where scratch memory could not be had;
+   -3 where the plan's shapes do not fit together (nothing written); -4 where gdn.c or
+   deltanet.c did not take the call (layer.py checks what they take first). */
+int gdn_block_forward(const GdnPlan *p, const uint16_t *x, int64_t B, int64_t S, void *conv,
+                      int64_t ring, const int64_t *slots, const int64_t *index, float *states,
+                      const int64_t *src, const int64_t *dst, float *k, float *decay, float *d,
+                      const int64_t *base, const float *pk, const float *pd, const float *pa,
+                      const int64_t *pn, int64_t P, int threads, uint16_t *out) {
+    const int64_t M = B * S, H = p->hidden, I = p->inter, hk = p->k_heads, hv = p->v_heads;
+    const int64_t dk = p->k_dim, dv = p->v_dim, c = 2 * hk * dk + hv * dv, W = p->in.n;
+    if (W != c + hv * dv + 2 * hv || p->out.n != H || p->gate_up.n != 2 * I
+        || p->down.n != H || hv % hk != 0)
+        return -3;
+    /* scratch, in bf16 elements: the normed rows (later the post-attention norm's), the
+       projections, the gated norm's output, out_proj's (later the down product's), the
+       residual stream after the mixer, gate and up, SwiGLU's gate; then fp32 q, v, beta and
+       the delta rule's output, as bf16 pairs */
+    const int64_t f32 = 2, sizes[] = {M * H, M * W, M * hv * dv, M * H, M * H, M * 2 * I,
+                                      M * I, f32 * M * hv * dk, f32 * M * hv * dv,
+                                      f32 * M * hv, f32 * M * hv * dv};
+    uint16_t *parts[11];
+    uint16_t *scratch = scratch_parts(sizes, 11, parts);
+    if (!scratch) return -1;
+    uint16_t *xn = parts[0], *proj = parts[1], *y = parts[2], *mixed = parts[3],
+             *h = parts[4], *gu = parts[5], *act = parts[6];
+    float *q = (float *)parts[7], *v = (float *)parts[8], *beta = (float *)parts[9],
+          *o = (float *)parts[10];
+    int rc = -1;
+
+    rms_norm(x, H, NULL, 0, NULL, M, H, p->input_norm, p->offset, p->eps, (int)p->upcast, xn);
+    if (product(&p->in, H, xn, proj, M, threads) != 0) goto done;
+    if (gdn_prepare(proj, W, c + hv * dv, c + hv * dv + hv, B, S, hk, hv, dk, dv, p->kernel,
+                    conv, ring, slots, index, p->conv_weight, p->a_log, p->dt_bias, q, k, v,
+                    decay, beta, 1, threads) != 0) {
+        rc = -4;
+        goto done;
+    }
+    const int got = delta_rule(q, k, v, decay, beta, states, src, dst, B, hv, S, dk, dv, o,
+                               threads, d, base, pk, pd, pa, pn, P);
+    if (got != 0) {  /* -2: no scratch memory for a head's state */
+        rc = got == -2 ? -1 : -4;
+        goto done;
+    }
+    if (gdn_gated_norm(o, B, S, hv, dv, proj, W, c, p->norm_weight, p->norm_eps, y, 1) != 0) {
+        rc = -4;
+        goto done;
+    }
+    if (product(&p->out, hv * dv, y, mixed, M, threads) != 0) goto done;
+    if (mlp_half(&p->gate_up, &p->down, p->post_norm, p->offset, p->eps, (int)p->upcast, x,
+                 mixed, M, H, I, xn, h, gu, act, mixed, threads, out) != 0)
+        goto done;
     rc = 0;
 done:
     free(scratch);

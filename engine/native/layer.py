@@ -1,10 +1,12 @@
-"""A full-attention decoder block of a cached forward in one call of layer.c, where every
-part of it runs in our kernels: bf16 on a CPU, its four products in our int8 or int4 layouts,
-the exact attention. The bits are the block's Python forward's (the same kernels, the same
+"""A decoder block of a cached forward in one call of layer.c, where every part of it runs
+in our kernels: bf16 on a CPU, its four products in our int8 or int4 layouts, the exact
+attention, or (a Gated DeltaNet block: Qwen3.5's linear-attention layers) gdn.c's and
+deltanet.c's kernels. The bits are the block's Python forward's (the same kernels, the same
 order); what goes is the Python and torch between them, ~35 calls a layer of a decode step.
 
-`run_block` is `Transformer.block_runner` on such an engine (exec/compile.py `step_fns`);
-a block, or a call, it does not take runs model/block.py's `run_block` instead.
+`run_block` is `Transformer.block_runner` on such an engine, `run_linear_block` its
+`linear_runner` (exec/compile.py `step_fns`); a block, or a call, they do not take runs
+model/block.py's `run_block` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import Tensor, nn
 
 from engine import native
 from engine.cache.kv import CacheBatch, KVCache
-from engine.cache.state import StateCache
+from engine.cache.state import StateCache, Unsettled
 from engine.model import block as block_py
 from engine.model.codes import Packed, QuantLinear
 from engine.model.layers import RMSNorm
@@ -40,6 +42,15 @@ class _Plan(ctypes.Structure):
                 ("head_dim", i64), ("inter", i64), ("bf16_dot", i64), ("gated", i64)]
 
 
+class _GdnPlan(ctypes.Structure):
+    _fields_ = [("in_", _Product), ("out", _Product), ("gate_up", _Product), ("down", _Product),
+                ("input_norm", ptr), ("post_norm", ptr), ("eps", ctypes.c_float),
+                ("offset", ctypes.c_float), ("upcast", i64), ("hidden", i64), ("inter", i64),
+                ("k_heads", i64), ("v_heads", i64), ("k_dim", i64), ("v_dim", i64),
+                ("kernel", i64), ("conv_weight", ptr), ("a_log", ptr), ("dt_bias", ptr),
+                ("norm_weight", ptr), ("norm_eps", ctypes.c_float)]
+
+
 class Plan:
     """A block's weights as layer.c takes them, with the tensors that hold them (kept alive
     while the plan is)."""
@@ -50,8 +61,19 @@ class Plan:
         self.c, self.held = c, held
 
 
-# Each block's plan, with what it was made from (`_key`); gone with the block.
+class GdnPlan:
+    """A Gated DeltaNet block's, as layer.c's `gdn_block_forward` takes them."""
+
+    __slots__ = ("c", "held")
+
+    def __init__(self, c: _GdnPlan, held: list[object]) -> None:
+        self.c, self.held = c, held
+
+
+# Each block's plan, with what it was made from (`_key`, `_gdn_key`); gone with the block.
 _PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], Plan | None]] = \
+    weakref.WeakKeyDictionary()
+_GDN_PLANS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[object, ...], GdnPlan | None]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -67,6 +89,20 @@ def _fn() -> Any:  # the ctypes function
 def _forward(*args: Any) -> int:
     """layer.c's `layer_forward` (a function of its own: `ahead bench engine` times it)."""
     return int(_fn()(*args))
+
+
+@functools.cache
+def _gdn_fn() -> Any:  # the ctypes function
+    fn = native.kernels().lib.gdn_block_forward
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_GdnPlan), ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
+    return fn
+
+
+def _gdn_forward(*args: Any) -> int:
+    """layer.c's `gdn_block_forward` (timed by `ahead bench engine` as layer.c's blocks)."""
+    return int(_gdn_fn()(*args))
 
 
 def _product(linear: object) -> Packed | None:
@@ -86,6 +122,24 @@ def _key(block: block_py.DecoderBlock) -> tuple[object, ...]:
     a, am = attn.__dict__, attn._modules
     return (a["fused"], am["o_proj"], mlp.__dict__["fused"], mlp._modules["down_proj"],
             a["exact"], *(_data_ptr(n._parameters["weight"]) for n in _norms(block)))
+
+
+def _gdn_key(block: block_py.DecoderBlock) -> tuple[object, ...]:
+    """`_key` for a Gated DeltaNet block: its products, its fp32 parameters (the tuple
+    `fuse` makes, by identity: the plan holds it), its norms."""
+    attn, mlp = block._modules["linear_attn"], block._modules["mlp"]
+    assert attn is not None and mlp is not None
+    a = attn.__dict__
+    norms = _block_norms(block)
+    return (a["fused"], attn._modules["out_proj"], mlp.__dict__["fused"],
+            mlp._modules["down_proj"], id(a["step_params"]),
+            _data_ptr(norms[0]._parameters["weight"]), _data_ptr(norms[1]._parameters["weight"]))
+
+
+def _block_norms(block: block_py.DecoderBlock) -> tuple[RMSNorm, RMSNorm]:
+    mods = block._modules
+    return cast(tuple[RMSNorm, RMSNorm],
+                (mods["input_layernorm"], mods["post_attention_layernorm"]))
 
 
 def _norms(block: block_py.DecoderBlock) -> tuple[RMSNorm, ...]:
@@ -141,6 +195,50 @@ def _make(block: block_py.DecoderBlock) -> Plan | None:
               int(first.upcast), o.n, hq, hkv, hd, gate_up.n // 2,
               native.kernels().attention_dot(torch.bfloat16), int(attn.gated))
     return Plan(c, held)
+
+
+def gdn_plan(block: nn.Module) -> GdnPlan | None:
+    """layer.c's plan of a Gated DeltaNet block, or None where it does not take it: not such
+    a block, its projections not fused, a product not in our layouts, norms not in bf16, GELU,
+    shapes gdn.c's or deltanet.c's kernels do not take."""
+    if not isinstance(block, block_py.DecoderBlock) or not block.linear:
+        return None
+    attn = block.linear_attn
+    if attn.fused is None or len(attn.step_params) != 4:
+        return None
+    key = _gdn_key(block)
+    got = _GDN_PLANS.get(block)
+    if got is not None and got[0] == key:
+        return got[1]
+    made = _make_gdn(block)
+    _GDN_PLANS[block] = (key, made)
+    return made
+
+
+def _make_gdn(block: block_py.DecoderBlock) -> GdnPlan | None:
+    attn, mlp = block.linear_attn, block.mlp
+    products = [_product(p) for p in (attn.fused, attn.out_proj, mlp.fused, mlp.down_proj)]
+    norms = _block_norms(block)
+    first = norms[0]
+    hk, hv, dk, dv = attn.num_k_heads, attn.num_v_heads, attn.k_dim, attn.v_dim
+    params = attn.step_params
+    if mlp.gelu or any(p is None for p in products) or any(
+            n.weight.dtype != torch.bfloat16 or n.eps != first.eps or n.offset != first.offset
+            or n.upcast != first.upcast for n in norms) \
+            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in params) \
+            or dk % 16 or dv % 16 or dv > 256 or dk > 512 or hv % hk \
+            or not 2 <= attn.kernel <= 8:  # (else its Python forward runs torch's forms)
+        return None
+    in_n, out_n, gate_up_n, down_n = (p.out_features for p in products)  # type: ignore[union-attr]
+    if in_n != attn.conv_size + attn.value_size + 2 * hv or gate_up_n % 2 or out_n != down_n:
+        return None
+    weights = [n.weight.detach().contiguous() for n in norms]
+    held: list[object] = [*weights, params]  # (the tuple: `_gdn_key` names it by identity)
+    into, out, gate_up, down = (c_product(p, held) for p in products)  # type: ignore[arg-type]
+    c = _GdnPlan(into, out, gate_up, down, *(w.data_ptr() for w in weights), first.eps,
+                 float(first.offset), int(first.upcast), out.n, gate_up.n // 2, hk, hv, dk, dv,
+                 attn.kernel, *(t.data_ptr() for t in params), attn.norm.eps)
+    return GdnPlan(c, held)
 
 
 def c_product(p: Packed, held: list[object]) -> _Product:
@@ -205,3 +303,58 @@ def run_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     if done != 0:
         raise MemoryError("the decoder block's kernel could not allocate its scratch memory")
     return out
+
+
+def run_linear_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
+                     batch: CacheBatch | None = None,
+                     cache: KVCache | StateCache | None = None) -> Tensor:
+    """`block_py.run_block` for a Gated DeltaNet block, in one call of layer.c where it takes
+    the block and the call: a decode step's or a verify window's positions (not a prefill's),
+    eager. The state cache's bookkeeping stays here, in deltanet.py `_step_native`'s order:
+    the deferred write a commit left (`take`), where each row's state is and where a step's
+    go (`kernel_offsets`), and what a window keeps for the commit (`Unsettled`)."""
+    if batch is None or not isinstance(cache, StateCache) or not batch.per_position \
+            or (got := gdn_plan(block)) is None or not rows.usable(x) or x.dim() != 3 \
+            or not x.is_contiguous() or x.shape[-1] != got.c.hidden or x.shape[1] > 64 \
+            or torch.compiler.is_compiling() or not _takes_state(cache, x.shape[1]):
+        return block_py.run_block(block, x, rope, batch, cache)
+    bsz, seqlen, _ = x.shape
+    c = got.c
+    slots = batch.slots.to(torch.int64).contiguous()
+    cache.unsettled = None  # this pass writes the ring entries after the committed one
+    pending = cache.take(batch.slots)  # the committed states a commit left unwritten
+    src, dst = cache.kernel_offsets(batch.slots, seqlen)
+    k = x.new_empty(bsz, c.v_heads, seqlen, c.k_dim, dtype=torch.float32)
+    decay = x.new_empty(bsz, c.v_heads, seqlen, dtype=torch.float32)
+    # a verify window writes no state: each position's factor, for the commit's write
+    factors = x.new_empty(bsz, c.v_heads, seqlen, c.v_dim, dtype=torch.float32) \
+        if seqlen > 1 else None
+    p = (None,) * 5 + (0,) if pending is None else \
+        (*(t.data_ptr() for t in pending), pending[1].shape[2])
+    out = torch.empty_like(x)
+    done = _gdn_forward(ctypes.byref(c), x.data_ptr(), bsz, seqlen, cache.conv.data_ptr(),
+                        cache.conv.shape[1], slots.data_ptr(), cache.index.data_ptr(),
+                        cache.state.data_ptr(), src.data_ptr(), dst.data_ptr(), k.data_ptr(),
+                        decay.data_ptr(), None if factors is None else factors.data_ptr(), *p,
+                        torch.get_num_threads(), out.data_ptr())
+    if done == -1:
+        raise MemoryError("the Gated DeltaNet block's kernel could not allocate its scratch "
+                          "memory")
+    if done != 0:
+        raise ValueError(f"the Gated DeltaNet block's kernel does not take its plan or call "
+                         f"({done}): {c.hidden=}, {c.k_heads=}, {c.v_heads=}, {c.k_dim=}, "
+                         f"{c.v_dim=}, {seqlen=}")
+    if factors is not None:
+        cache.unsettled = Unsettled(batch.slots, src, dst, k, factors, decay)
+    return out
+
+
+def _takes_state(cache: StateCache, seqlen: int) -> bool:
+    """Whether gdn.c and deltanet.c take the layer's state cache for a pass of `seqlen`
+    positions: bf16 conv states and fp32 delta-rule states, contiguous, a ring with room for
+    the states after them, the index in int64."""
+    conv, state = cache.conv, cache.state
+    return conv.dtype == torch.bfloat16 and conv.is_contiguous() \
+        and state.dtype == torch.float32 and state.is_contiguous() \
+        and cache.index.dtype == torch.int64 and cache.index.is_contiguous() \
+        and seqlen + 1 <= conv.shape[1]

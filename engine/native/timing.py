@@ -18,8 +18,10 @@ KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention"
 ROW_PARTS = {"_rms_norm": "norms", "_silu_mul": "SwiGLU gate", "_rope": "rotary embeddings",
              "_argmax_lse": "argmax of the logits"}
 PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
-# A whole decoder block in one call (its products, attention, norms and the rest inside it).
-LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)"}
+# A whole decoder block in one call (its products, attention or Gated DeltaNet mixer, norms
+# and the rest inside it).
+LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)",
+               "_gdn_forward": "decoder blocks in one call (layer.c)"}
 # A greedy MTP draft in one call (its module's block, projection, norms and pick inside it).
 MTP_PARTS = {"_draft": "MTP drafts in one call (mtp.c)"}
 
