@@ -169,18 +169,20 @@ def test_a_changed_draft_head_makes_a_new_plan(tmp_path: Path) -> None:
     assert torch.equal(got[1], want[0]) and got[2] is not None and torch.equal(got[2], want[1])
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen2"])  # two modules; one
 @pytest.mark.parametrize("confident", [True, False])
 def test_the_chain_rule_in_one_call_is_the_python_paths(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, confident: bool, preset: str) -> None:
     """A chain of up to three drafts for two slots, its rule's tables and each row's limit,
     floor and whether it adapts set to make rows stop at different drafts: the drafts, their
     probabilities and the drafts each row keeps are the Python path's, early exit
-    included."""
+    included; and so are the drafts the last module chains on itself in one call
+    (`mtp.chain`)."""
     from engine.decode.draft import draft_chain
     from engine.decode.policy.calibration import CONFIDENCE_BINS
     from engine.decode.sampling import RowSampling
 
-    write_checkpoint(tmp_path, "tiny-qwen3", seed=8)
+    write_checkpoint(tmp_path, preset, seed=8)
     engine = _load(tmp_path, "int4", "coarse")
     model, state = engine.model, engine.state
     with torch.no_grad():  # logits 25x as far apart: drafts' probabilities in every bin
@@ -201,13 +203,27 @@ def test_the_chain_rule_in_one_call_is_the_python_paths(
         return c_draft(*args)
 
     monkeypatch.setattr(mtp, "_draft", counted)
+    c_chain, chains = mtp._chain, []
+
+    def counted_chain(*args: object) -> int:
+        chains.append(args[4:6])  # the drafts it makes
+        return c_chain(*args)
+
+    monkeypatch.setattr(mtp, "_chain", counted_chain)
+    ended = []
+
+    def chain_runner(*args: object, **kw: object) -> object:  # how each chain ended
+        got = mtp.chain(*args, **kw)  # type: ignore[arg-type]
+        ended.append(None if got is None else got[:2])
+        return got
     for limit in (0.0, 0.2, 0.4, 0.6, 2.0):  # every row goes on ... each stops at its floor
         for plan in cases:
             accept = torch.rand(state.chain_accept.shape, generator=gen)
             out = (torch.randn(2, 1, model.cfg.hidden_size, generator=gen) * 2).bfloat16()
             results = []
-            for runner in (mtp.draft, None):
-                model.draft_runner = runner
+            for runner, chainer in ((mtp.draft, chain_runner), (mtp.draft, None),
+                                    (None, None)):
+                model.draft_runner, model.chain_runner = runner, chainer
                 state.plan[:2] = torch.tensor(plan).t()
                 state.chain_accept.copy_(accept)
                 state.chain_limit.fill_(limit)
@@ -223,11 +239,16 @@ def test_the_chain_rule_in_one_call_is_the_python_paths(
                 engine.caches.modules[0] = kept
                 results.append((state.tokens[:2].clone(), state.confidence[:2].clone(),
                                 state.num_drafts[:2].clone(), caches[0].k.clone()))
-            for ours, theirs in zip(*results, strict=True):
-                assert torch.equal(ours, theirs), (limit, plan)
+            for got in results[:2]:
+                for ours, theirs in zip(got, results[2], strict=True):
+                    assert torch.equal(ours, theirs), (limit, plan)
             kept_drafts.add(tuple(results[0][2].tolist()))
     assert state.chain_accept.shape[1] == CONFIDENCE_BINS
     assert chained and all(chained)
+    # the drafts after the last module's first in one call: 3 (two modules), 2 and 3 (one)
+    assert chains and all(made == (model.num_mtp + 1, 3) for made in chains)
+    # each made its drafts to the last, or until no row went on
+    assert ended and all(e is not None and (e[0] == 3 or e[1] == 0) for e in ended), ended
     # rows kept different numbers of drafts: the rule (or, without probabilities, the limits)
     assert len(kept_drafts) > (2 if confident else 1), kept_drafts
-    model.draft_runner = mtp.draft
+    model.draft_runner, model.chain_runner = mtp.draft, mtp.chain

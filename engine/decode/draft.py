@@ -67,8 +67,8 @@ def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: T
     if not confident:  # no row adapts: its drafts' probabilities are not computed, and read 1
         state.confidence.index_fill_(0, slots, 1.0)
     tok = base  # unused by the first draft
-    m = 0
-    for j in range(1, k + 1):
+    m, j, chained = 0, 1, False
+    while j <= k:
         step = state.draft_index[j:j + 1]  # [1], a tensor made once: no copy from the host
         m_in, m = m, max(min(j, model.num_mtp), 1) - 1  # the assistant: as module 0
         out, tok = draft(model, caches, state, slots, step, m_in, m, out, tok, base, kv_len,
@@ -76,6 +76,21 @@ def draft_chain(model: Transformer, caches: Caches, state: DecodeState, slots: T
         if early_exit and j < k and not (bool(chain.alive.any()) if chain.live is None
                                          else chain.live):
             break
+        if early_exit and not chained and model.num_mtp <= j < k and chain.live is not None \
+                and draft is draft_one and model.chain_runner is not None:
+            # the drafts after, the last module chained on itself, in one call of our kernels
+            chained = True
+            got = model.chain_runner(
+                model, m, out, tok, j0=j + 1, j1=k, draft_index=state.draft_index, base=base,
+                offset=-(2 if m == 0 else 1 + m), tables=(caches.cos, caches.sin),
+                slots=slots, kv_len=kv_len, span=span, caches=caches.modules[m],
+                early_exit=early_exit,
+                chain=_chain_args(state, chain, state.draft_index[j + 1:j + 2], confident))
+            if got is not None:  # drafts up to j made
+                j, chain.live, out, tok = got
+                if j == k or chain.live == 0:
+                    break
+        j += 1
     state.num_drafts[slots] = chain.count
 
 
@@ -144,15 +159,20 @@ def _native_draft(model: Transformer, caches: Caches, state: DecodeState, slots:
     it."""
     runner = model.draft_runner
     assert runner is not None
-    args = ChainArgs(j, state.tokens, state.confidence if confident else None,
-                     state.chain_accept, state.chain_limit, chain.k_limit, chain.floor,
-                     chain.adaptive, chain.count, chain.alive, chain.survival)
+    args = _chain_args(state, chain, j, confident)
     if first:
         return runner(model, m, out, prob=confident, slots=slots, chain=args)
     pos = _module_pos(base, j, m)
     return runner(model, m, out, prob=confident, m_in=m_in, prev=prev, rope=caches.rope(pos),
                   slots=slots, pos=pos, kv_len=kv_len, span=span, caches=caches.modules[m],
                   chain=args)
+
+
+def _chain_args(state: DecodeState, chain: Chain, j: Tensor, confident: bool) -> ChainArgs:
+    """The chain and the slots' buffers as our kernels run its rule after draft j."""
+    return ChainArgs(j, state.tokens, state.confidence if confident else None,
+                     state.chain_accept, state.chain_limit, chain.k_limit, chain.floor,
+                     chain.adaptive, chain.count, chain.alive, chain.survival)
 
 
 def _module_pos(base: Tensor, j: Tensor, m: int) -> Tensor:

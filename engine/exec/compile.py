@@ -75,13 +75,14 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     and mtp.py's, each greedy draft; `AHEAD_BLOCKS=0` keeps the Python forward, to
     compare)."""
     model.block_runner = model.linear_runner = run_block
-    model.draft_runner = None
+    model.draft_runner = model.chain_runner = None
     if not compiled:
         if native.available() and next(model.parameters()).device.type == "cpu" \
                 and os.environ.get("AHEAD_BLOCKS", "1") != "0":
             model.block_runner = layer.run_block  # its blocks in one call where it can
             model.linear_runner = layer.run_linear_block  # and its Gated DeltaNet blocks
             model.draft_runner = mtp.draft  # and its greedy drafts
+            model.chain_runner = mtp.chain  # (a chain's after its first in one call)
         return EAGER
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
     if static and not by_blocks(model):

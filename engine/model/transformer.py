@@ -58,6 +58,9 @@ class Transformer(nn.Module):
         # A greedy draft in one call where the blocks run so (native/mtp.py `draft`), else
         # None: decode/draft.py's Python path.
         self.draft_runner: Callable[..., Any] | None = None
+        # A chain's drafts after its first in one call, where our kernels take them (set
+        # with draft_runner: engine/native/mtp.py `chain`).
+        self.chain_runner: Callable[..., Any] | None = None
         # The head's quantized weight, once quantized (see engine/model/quant.py); the mode.
         self.head_weight: Callable[[Tensor], Tensor] | None = None
         # The head drafts score, when it is not this one (decode/draft_vocab.py).

@@ -10,7 +10,8 @@ Each part is the kernel the Python path calls (model/mtp.py, transformer.py `mtp
 decode/draft_vocab.py), with the same arguments in the same order, so the draft, its logit
 and the module's output (with the cache entries its block writes) are that path's bits. What
 goes is the ~25 calls of Python and torch a draft made around them: on the 2-core EPYC ~0.4
-ms a draft, a fifth of a Qwen2-1.5B draft's time and most of the bundled model's. */
+ms a draft, a fifth of a Qwen2-1.5B draft's time and most of the bundled model's.
+`mtp_chain` makes the drafts a module chains on itself one after another in one call. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -181,5 +182,70 @@ int mtp_draft(const MtpPlan *p, int forward, const uint16_t *prev, const int64_t
     rc = chain ? (int)chain_step(chain, B, slots, tok, top, lse) : 0;
 done:
     free(scratch); free(index); free(sums);
+    return rc;
+}
+
+/* Drafts j0 .. j1 of one module, each chained on the one before (`mtp_draft` with forward,
+   then its chain's rule), in one call: from the module's output prev [B, hidden] and the
+   draft tokens [B] of draft j0 - 1, draft j at positions base[b] + j + offset (the module's
+   entries: decode/draft.py `_module_pos`), their rope rows from the tables cos and sin
+   [table, rot]; chain->j for draft j at draft_index + j (the step's own numbers). With
+   early_exit, the chain ends after a draft that leaves no row drafting (draft.py
+   `draft_chain`). The last draft made leaves its module's output in last [B, hidden] and
+   its tokens in last_tok [B], its number in *made (j0 - 1: none). Returns the rows still
+   drafting after it; or the error code of the draft that did not run (`mtp_draft`'s; -2
+   also for a position outside the tables), the drafts before it made. */
+int mtp_chain(const MtpPlan *p, const uint16_t *prev, const int64_t *tokens, int64_t B,
+              int64_t j0, int64_t j1, const int64_t *draft_index, const int64_t *base,
+              int64_t offset, const uint16_t *cos, const uint16_t *sin, int64_t table,
+              int64_t rot, const int64_t *slots, int64_t first_slot, int64_t kv_len,
+              uint16_t *ck, uint16_t *cv, int64_t num_slots, int64_t length, int threads,
+              int early_exit, const Chain *chain, uint16_t *last, int64_t *last_tok,
+              int64_t *made) {
+    const int64_t H = p->block.hidden;
+    uint16_t *outs = malloc(sizeof(uint16_t) * (size_t)(2 * B * H + 64));
+    uint16_t *rope = malloc(sizeof(uint16_t) * (size_t)(2 * B * rot + 64));
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(2 * B));
+    float *top = malloc(sizeof(float) * (size_t)(2 * B));
+    *made = j0 - 1;
+    if (!outs || !rope || !pos || !top) {
+        free(outs); free(rope); free(pos); free(top);
+        return -1;
+    }
+    int64_t *tok = pos + B;
+    float *lse = chain->confidence ? top + B : NULL;
+    uint16_t *bufs[2] = {outs, outs + B * H + 32};
+    for (int64_t b = 0; b < B; b++) last_tok[b] = tokens[b];
+    Chain c = *chain;
+    int rc = 0;
+    for (int64_t j = j0; j <= j1; j++) {
+        uint16_t *out = bufs[j & 1];
+        int outside = 0;
+        for (int64_t b = 0; b < B; b++) {  /* this draft's positions and their rope rows */
+            pos[b] = base[b] + j + offset;
+            outside |= pos[b] < 0 || pos[b] >= table;
+        }
+        if (outside) {
+            rc = -2;
+            break;
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < rot; r++) {
+                rope[b * rot + r] = cos[pos[b] * rot + r];
+                rope[(B + b) * rot + r] = sin[pos[b] * rot + r];
+            }
+        c.j = draft_index + j;
+        rc = mtp_draft(p, 1, prev, last_tok, B, rope, rope + B * rot, rot, slots, pos,
+                       first_slot, kv_len, ck, cv, num_slots, length, threads, out, tok, top,
+                       lse, &c);
+        if (rc < 0) break;
+        prev = out;
+        *made = j;
+        for (int64_t b = 0; b < B; b++) last_tok[b] = tok[b];
+        if (early_exit && rc == 0) break;
+    }
+    if (*made >= j0)
+        for (int64_t i = 0; i < B * H; i++) last[i] = prev[i];
+    free(outs); free(rope); free(pos); free(top);
     return rc;
 }

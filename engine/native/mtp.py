@@ -8,7 +8,9 @@ rule's dozen.
 
 `draft` is `Transformer.draft_runner` on the engines whose blocks run by layer.py
 (exec/compile.py `step_fns`); a module, a head or a call it does not take returns None, and
-the Python path runs.
+the Python path runs. `chain`, its `chain_runner`, makes the drafts the last module chains on
+itself (all after the first, with one module) in one call, `draft` for each in turn: what
+goes is the Python between drafts.
 """
 
 from __future__ import annotations
@@ -100,6 +102,21 @@ def _fn() -> Any:  # the ctypes function
 def _draft(*args: Any) -> int:
     """mtp.c's `mtp_draft` (a function of its own: `ahead bench engine` times it)."""
     return int(_fn()(*args))
+
+
+@functools.cache
+def _chain_fn() -> Any:  # the ctypes function
+    fn = native.kernels().lib.mtp_chain
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_MtpPlan), ptr, ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr,
+                   i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int,
+                   ctypes.POINTER(_Chain), ptr, ptr, ptr]
+    return fn
+
+
+def _chain(*args: Any) -> int:
+    """mtp.c's `mtp_chain` (timed by `ahead bench engine` with the drafts in one call)."""
+    return int(_chain_fn()(*args))
 
 
 def _head(model: Transformer) -> tuple[Packed | None, Tensor | None, Tensor | None]:
@@ -267,3 +284,58 @@ def draft(model: Transformer, m: int, out: Tensor, *, prob: bool, m_in: int = 0,
     if c_chain is not None:
         return Drafted(new, tok, None, done)
     return Drafted(new, tok, None if lse is None else rows.probability(top, lse), None)
+
+
+def chain(model: Transformer, m: int, out: Tensor, tok: Tensor, *, j0: int, j1: int,
+          draft_index: Tensor, base: Tensor, offset: int, tables: tuple[Tensor, Tensor],
+          slots: Tensor, kv_len: int, span: tuple[int, int] | None, caches: Sequence[object],
+          chain: ChainArgs, early_exit: bool) -> tuple[int, int | None, Tensor, Tensor] | None:
+    """Module m's greedy drafts j0 .. j1, each chained on the one before (module m on its
+    own output: the last module's drafts), in one call of mtp.c, their chain's rule after
+    each (`draft` with `chain` for each of them, in turn): from `out` [B, 1, H] and `tok` [B],
+    the module's output and the drafts of draft j0 - 1; draft j at positions base + j +
+    offset [B] of the module's cache, their rotary rows from the cache's `tables` (cos, sin
+    [T, 1, R]); chain.j unused (draft j's number is draft_index[j]). With `early_exit`, the
+    chain ends after a draft that leaves no row drafting. Returns the last draft made, the
+    rows still drafting after it (None: not counted), and its module's output [B, 1, H] and
+    drafts [B] (where a draft does not run in mtp.c, the caller's path goes on from there);
+    None where mtp.c does not take the call (nothing made)."""
+    if model.assistant is not None or not rows.usable(out) \
+            or out.dim() != 3 or out.shape[1] != 1 or not out.is_contiguous() \
+            or (got := plan(model, m, m)) is None or out.shape[-1] != got.block.c.hidden:
+        return None
+    bsz = out.shape[0]
+    cos, sin = tables
+    if (c_chain := _c_chain(chain, bsz)) is None or len(caches) != 1 \
+            or not isinstance(cache := caches[0], KVCache) \
+            or not layer.takes_cache(got.block, cache, kv_len, span, bsz) \
+            or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 \
+            or cos.shape != sin.shape or cos.dim() != 3 or cos.shape[1] != 1 \
+            or not (cos.is_contiguous() and sin.is_contiguous()) \
+            or cos.shape[-1] % 2 or cos.shape[-1] > got.block.c.head_dim \
+            or draft_index.dtype != torch.int64 or not draft_index.is_contiguous() \
+            or draft_index.numel() <= j1:
+        return None
+    assert span is not None  # (takes_cache)
+    k, v = cache.k, cache.v
+    slots = slots.to(torch.int64).contiguous()
+    base = base.to(torch.int64).contiguous()
+    tokens = tok.reshape(bsz).to(torch.int64).contiguous()
+    last, last_tok = torch.empty_like(out), torch.empty(bsz, dtype=torch.int64)
+    made = torch.zeros(1, dtype=torch.int64)
+    done = _chain(ctypes.byref(got.c), out.data_ptr(), tokens.data_ptr(), bsz, j0, j1,
+                  draft_index.data_ptr(), base.data_ptr(), offset, cos.data_ptr(),
+                  sin.data_ptr(), cos.shape[0], cos.shape[-1], slots.data_ptr(), span[0],
+                  kv_len, k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[2],
+                  torch.get_num_threads(), int(early_exit), ctypes.byref(c_chain),
+                  last.data_ptr(), last_tok.data_ptr(), made.data_ptr())
+    if done == -3:
+        raise ValueError("the MTP draft's kernel does not take its plan")
+    if done == -1:
+        raise MemoryError("the MTP draft's kernel could not allocate its scratch memory")
+    last_made = int(made.item())
+    if done >= 0:
+        return last_made, done, last, last_tok
+    # -2, -4: draft last_made + 1 did not run (a position or token out of range): the
+    # caller's path makes it, and says what is wrong
+    return None if last_made < j0 else (last_made, None, last, last_tok)

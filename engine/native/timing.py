@@ -22,8 +22,10 @@ PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
 # and the rest inside it).
 LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)",
                "_gdn_forward": "decoder blocks in one call (layer.c)"}
-# A greedy MTP draft in one call (its module's block, projection, norms and pick inside it).
-MTP_PARTS = {"_draft": "MTP drafts in one call (mtp.c)"}
+# A greedy MTP draft in one call (its module's block, projection, norms and pick inside it),
+# and a chain of them.
+MTP_PARTS = {"_draft": "MTP drafts in one call (mtp.c)",
+             "_chain": "MTP drafts in one call (mtp.c)"}
 
 
 @contextlib.contextmanager
