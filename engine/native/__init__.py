@@ -2,10 +2,10 @@
 layout layout.py makes; encode.c makes it from a weight's values), the attention of a cached
 forward and its cache writes (attention.c), Gated DeltaNet's delta rule a position at a time
 (deltanet.c) and the rest of its step (gdn.c), the small row-wise operators of a bf16
-step: norms, the SwiGLU gate, rotary embeddings, the logits' argmax (rows.c, rows.py), and
-a full-attention decoder block made of them in one call (layer.c, layer.py), and a greedy
-MTP draft, its module's block and the draft head's pick included, in one call (mtp.c,
-mtp.py).
+step: norms, the SwiGLU gate, rotary embeddings, the logits' argmax (rows.c, rows.py), a
+full-attention or Gated DeltaNet decoder block made of them in one call (layer.c, layer.py),
+and a greedy MTP draft, its module's block and the draft head's pick included, in one call
+(mtp.c, mtp.py).
 
 The source ships with the package and is compiled on first use (build.py) by the system's
 C compiler (`$CC`, else `cc`) into the cache ($XDG_CACHE_HOME/ahead/native, named by the
