@@ -12,7 +12,7 @@ import torch
 from engine import Engine, GenParams, native
 from engine.cache.kv import CacheBatch, KVCache
 from engine.model import block as block_py
-from engine.native import layer
+from engine.native import layer, trunk
 from training.synthetic import write_checkpoint
 
 pytestmark = pytest.mark.skipif(native.status() != "vnni",
@@ -83,11 +83,12 @@ def test_generation_through_it_is_the_python_forwards_and_speculation_stays_loss
     model = engine.model
     prompt = engine.tokenizer.encode("def add(a, b):\n    return")
     outs = {}
-    for runner in (layer.run_block, block_py.run_block):
-        model.block_runner = runner
+    for runner, whole in ((layer.run_block, trunk.run_blocks), (layer.run_block, None),
+                          (block_py.run_block, None)):
+        model.block_runner, model.trunk_runner = runner, whole
         for spec in (False, True):
             out = engine.generate(prompt, GenParams(24, speculative=spec, stop_loops=False))
-            outs[runner.__module__, spec] = out.tokens
+            outs[runner.__module__, whole is None, spec] = out.tokens
     assert len(set(map(tuple, outs.values()))) == 1, outs
 
 
@@ -122,3 +123,60 @@ def test_blocks_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
     bad = CacheBatch(torch.tensor([5]), pos[:1], kv.k.shape[2], (5, 6))  # past the slots
     with torch.inference_mode(), pytest.raises((IndexError, RuntimeError)):
         layer.run_block(block, x[:1], quant.caches.rope(pos[:1]), bad, _copy(kv))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
+def test_a_trunk_in_one_call_gives_its_blocks_bits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str, quant: str) -> None:
+    """Every block of the trunk in one call (`run_blocks`, layer.c `layers_forward`): the
+    output and every cache of its blocks one call at a time, for a prefill, a step, a
+    verify's four rows and two slots; a hybrid trunk (Gated DeltaNet blocks) it leaves to
+    them."""
+    write_checkpoint(tmp_path, preset, seed=3)
+    engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
+                         quant=quant)
+    model = engine.model
+    assert model.trunk_runner is trunk.run_blocks
+    layers, caches = model.model.layers, engine.caches.trunk
+    calls = []
+    c_layers = trunk._layers
+
+    def counted(*args: object) -> int:
+        calls.append(args[1])
+        return c_layers(*args)
+
+    monkeypatch.setattr(trunk, "_layers", counted)
+    gen = torch.Generator().manual_seed(1)
+    hidden = model.cfg.hidden_size
+    for slots, starts, seqlen in [([0], [0], 20), ([0], [20], 1), ([0], [21], 4),
+                                  ([0, 1], [24, 5], 3)]:
+        pos = torch.tensor(starts)[:, None] + torch.arange(seqlen)
+        batch = CacheBatch(torch.tensor(slots), pos, caches[0].k.shape[2],
+                           (slots[0], slots[-1] + 1))
+        rope = engine.caches.rope(pos)
+        x = (torch.randn(len(slots), seqlen, hidden, generator=gen) * 2).bfloat16()
+        ours = [_copy(c) for c in caches]
+        theirs = [_copy(c) for c in caches]
+        with torch.inference_mode():
+            got = trunk.run_blocks(layers, x, rope, batch, ours)
+            want = x
+            for block, cache in zip(layers, theirs, strict=True):
+                want = layer.run_block(block, want, rope, batch, cache)
+        assert got is not None and torch.equal(got, want), (slots, seqlen)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        for c, a in zip(caches, ours, strict=True):  # the next case finds these keys
+            c.k.copy_(a.k)
+            c.v.copy_(a.v)
+    assert calls == [len(layers)] * 4
+    write_checkpoint(tmp_path / "hybrid", "tiny-qwen3.5", seed=2)
+    hybrid = Engine.load(tmp_path / "hybrid", dtype=torch.bfloat16, max_seq_len=64, k_max=2,
+                         slots=1, quant="int8")
+    pos = torch.tensor([[3]])
+    with torch.inference_mode():
+        assert trunk.run_blocks(hybrid.model.model.layers,
+                                torch.randn(1, 1, hybrid.model.cfg.hidden_size).bfloat16(),
+                                hybrid.caches.rope(pos),
+                                CacheBatch(torch.tensor([0]), pos, 64, (0, 1)),
+                                hybrid.caches.trunk) is None

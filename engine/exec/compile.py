@@ -47,7 +47,7 @@ from engine.decode.step import EAGER, StepFns, verify_window
 from engine.model.block import run_block
 from engine.model.gemma4 import Gemma4Model
 from engine.model.transformer import Transformer
-from engine.native import layer, mtp
+from engine.native import layer, mtp, trunk
 
 BLOCK_VARIANTS = 32  # compiled variants of the block allowed (8 are used: see the tests)
 WHOLE_BLOCKS = 12  # a fixed-shape step of a model of at most this many blocks compiles whole
@@ -72,15 +72,17 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     model's fixed-shape step, or a compiled eager-shaped one); the model's block runners are
     `run_block` again when `compiled` is False (on a CPU where our kernels run, layer.py's,
     which runs each full-attention and Gated DeltaNet block our kernels take in one call,
-    and mtp.py's, each greedy draft; `AHEAD_BLOCKS=0` keeps the Python forward, to
+    and a trunk of full-attention blocks in one, and mtp.py's, each greedy draft and the
+    drafts a module chains on itself; `AHEAD_BLOCKS=0` keeps the Python forward, to
     compare)."""
     model.block_runner = model.linear_runner = run_block
-    model.draft_runner = model.chain_runner = None
+    model.draft_runner = model.chain_runner = model.trunk_runner = None
     if not compiled:
         if native.available() and next(model.parameters()).device.type == "cpu" \
                 and os.environ.get("AHEAD_BLOCKS", "1") != "0":
             model.block_runner = layer.run_block  # its blocks in one call where it can
             model.linear_runner = layer.run_linear_block  # and its Gated DeltaNet blocks
+            model.trunk_runner = trunk.run_blocks  # (all its blocks in one, where it can)
             model.draft_runner = mtp.draft  # and its greedy drafts
             model.chain_runner = mtp.chain  # (a chain's after its first in one call)
         return EAGER

@@ -58,6 +58,9 @@ class Transformer(nn.Module):
         # A greedy draft in one call where the blocks run so (native/mtp.py `draft`), else
         # None: decode/draft.py's Python path.
         self.draft_runner: Callable[..., Any] | None = None
+        # A trunk's blocks in one call where our kernels take them all (native/layer.py
+        # `run_blocks`: None where it does not), else None.
+        self.trunk_runner: Callable[..., Tensor | None] | None = None
         # A chain's drafts after its first in one call, where our kernels take them (set
         # with draft_runner: engine/native/mtp.py `chain`).
         self.chain_runner: Callable[..., Any] | None = None
@@ -140,6 +143,9 @@ class Transformer(nn.Module):
             return self.model(tokens, rope, batch, caches)
         x = self.model.embed_tokens(tokens)
         layers = self.model.layers if depth is None else self.model.layers[:depth]
+        if self.trunk_runner is not None and (
+                out := self.trunk_runner(layers, x, rope, batch, caches)) is not None:
+            return self.model.norm(out)
         for i, layer in enumerate(layers):
             run = self.linear_runner if layer.linear else self.block_runner
             x = run(layer, x, rope, batch, None if caches is None else caches[i])

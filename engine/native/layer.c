@@ -238,3 +238,34 @@ done:
     free(scratch);
     return rc;
 }
+
+/* Blocks 0 .. n - 1 of a trunk, each `layer_forward` on the one before's output, in one call
+   (layer.py `run_blocks`): plans[i] with its caches ck[i], cv[i]; the rows, rope rows, slots
+   and positions the same for every block (a step's). x is the first block's input, out the
+   last's output. Returns 0, or the first failing block's code (`layer_forward`'s), the blocks
+   before it run. */
+int layers_forward(const Plan *const *plans, int64_t n, const uint16_t *x, int64_t B,
+                   int64_t S, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+                   const int64_t *slots, const int64_t *pos, int64_t first_slot,
+                   int64_t kv_len, uint16_t *const *ck, uint16_t *const *cv,
+                   int64_t num_slots, int64_t length, int threads, uint16_t *out) {
+    const int64_t M = B * S;
+    int64_t H = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i && plans[i]->hidden != H) return -3;
+        H = plans[i]->hidden;
+    }
+    uint16_t *tmp = n > 1 ? malloc(sizeof(uint16_t) * (size_t)(2 * M * H + 64)) : NULL;
+    if (n > 1 && !tmp) return -1;
+    uint16_t *bufs[2] = {tmp, tmp ? tmp + M * H + 32 : NULL};
+    const uint16_t *in = x;
+    int rc = 0;
+    for (int64_t i = 0; i < n && rc == 0; i++) {
+        uint16_t *dst = i == n - 1 ? out : bufs[i & 1];
+        rc = layer_forward(plans[i], in, B, S, cos, sin, rot, slots, pos, first_slot, kv_len,
+                           ck[i], cv[i], num_slots, length, threads, dst);
+        in = dst;
+    }
+    free(tmp);
+    return rc;
+}

@@ -38,6 +38,11 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
                   const uint16_t *sin, int64_t rot, const int64_t *slots, const int64_t *pos,
                   int64_t first_slot, int64_t kv_len, uint16_t *ck, uint16_t *cv,
                   int64_t num_slots, int64_t length, int threads, uint16_t *out);
+int layers_forward(const Plan *const *plans, int64_t n, const uint16_t *x, int64_t B,
+                   int64_t S, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+                   const int64_t *slots, const int64_t *pos, int64_t first_slot,
+                   int64_t kv_len, uint16_t *const *ck, uint16_t *const *cv,
+                   int64_t num_slots, int64_t length, int threads, uint16_t *out);
 int gdn_block_forward(const GdnPlan *p, const uint16_t *x, int64_t B, int64_t S, void *conv,
                       int64_t ring, const int64_t *slots, const int64_t *index, float *states,
                       const int64_t *src, const int64_t *dst, float *k, float *decay, float *d,

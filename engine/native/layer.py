@@ -5,7 +5,8 @@ deltanet.c's kernels. The bits are the block's Python forward's (the same kernel
 order); what goes is the Python and torch between them, ~35 calls a layer of a decode step.
 
 `run_block` is `Transformer.block_runner` on such an engine, `run_linear_block` its
-`linear_runner` (exec/compile.py `step_fns`); a block, or a call, they do not take runs
+`linear_runner` (exec/compile.py `step_fns`; trunk.py's `run_blocks`, its `trunk_runner`,
+runs a trunk of full-attention blocks in one call); a block, or a call, they do not take runs
 model/block.py's `run_block` instead.
 """
 
@@ -358,3 +359,4 @@ def _takes_state(cache: StateCache, seqlen: int) -> bool:
         and state.dtype == torch.float32 and state.is_contiguous() \
         and cache.index.dtype == torch.int64 and cache.index.is_contiguous() \
         and seqlen + 1 <= conv.shape[1]
+

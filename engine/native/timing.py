@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine import native
-from engine.native import layer, mtp, pick, rows
+from engine.native import layer, mtp, pick, rows, trunk
 
 # The parts of a step our kernels are, by the functions that call them (`timed`).
 KERNEL_PARTS = {"run_linear": "int8/int4 products", "run_attention": "attention",
@@ -22,6 +22,7 @@ PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
 # and the rest inside it).
 LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)",
                "_gdn_forward": "decoder blocks in one call (layer.c)"}
+TRUNK_PARTS = {"_layers": "decoder blocks in one call (layer.c)"}  # a trunk's, in one
 # A greedy MTP draft in one call (its module's block, projection, norms and pick inside it),
 # and a chain of them.
 MTP_PARTS = {"_draft": "MTP drafts in one call (mtp.c)",
@@ -65,6 +66,8 @@ def timed() -> Iterator[dict[str, list[float]]]:
             wrap(pick, name, part)
         for name, part in LAYER_PARTS.items():
             wrap(layer, name, part)
+        for name, part in TRUNK_PARTS.items():
+            wrap(trunk, name, part)
         for name, part in MTP_PARTS.items():
             wrap(mtp, name, part)
         yield totals
