@@ -56,15 +56,19 @@ def run_blocks(layers: Sequence[nn.Module], x: Tensor, rope: tuple[Tensor, Tenso
     full-attention blocks with plans, each cache as `takes_cache` says. None where it does
     not (a Gated DeltaNet block, a block without a plan, a call `run_block` does not take):
     the caller runs them one at a time."""
-    if batch is None or caches is None or batch.span is None or not rows.usable(x) \
-            or x.dim() != 3 or not x.is_contiguous() or len(caches) < len(layers):
+    if batch is None or caches is None or batch.span is None or not layers \
+            or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
+            or len(caches) < len(layers):
         return None
     bsz, seqlen, hidden = x.shape
+    if not isinstance(head := caches[0], KVCache):
+        return None
     plans: list[layer.Plan] = []
     for block, cache in zip(layers, caches, strict=False):
         got = layer.plan(block)
         if got is None or not isinstance(cache, KVCache) or got.c.hidden != hidden \
-                or not layer.takes_cache(got, cache, batch.kv_len, batch.span, bsz):
+                or not layer.takes_cache(got, cache, batch.kv_len, batch.span, bsz) \
+                or cache.k.shape != head.k.shape:  # (one slot count and length for all)
             return None
         plans.append(got)
     if not plans or (args := layer.rope_args(plans[0], rope, bsz, seqlen)) is None \
