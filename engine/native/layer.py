@@ -174,15 +174,20 @@ def plan(block: nn.Module) -> Plan | None:
     return made
 
 
+def _alike(norms: tuple[RMSNorm, ...]) -> bool:
+    """Whether layer.c takes these norms: bf16 weights, one eps, offset and upcast."""
+    first = norms[0]
+    return all(n.weight.dtype == torch.bfloat16 and n.eps == first.eps
+               and n.offset == first.offset and n.upcast == first.upcast for n in norms)
+
+
 def _make(block: block_py.DecoderBlock) -> Plan | None:
     attn, mlp = block.self_attn, block.mlp
     products = [_product(p) for p in (attn.fused, attn.o_proj, mlp.fused, mlp.down_proj)]
     norms = _norms(block)
     first = norms[0]
     hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if not attn.exact or mlp.gelu or any(p is None for p in products) or any(
-            n.weight.dtype != torch.bfloat16 or n.eps != first.eps or n.offset != first.offset
-            or n.upcast != first.upcast for n in norms) \
+    if not attn.exact or mlp.gelu or any(p is None for p in products) or not _alike(norms) \
             or hd % 16 or hd > 512 or hq % hkv:  # (else the Python forward's attention is torch's)
         return None
     qkv_n, o_n, gate_up_n, down_n = (p.out_features for p in products)  # type: ignore[union-attr]
@@ -223,9 +228,7 @@ def _make_gdn(block: block_py.DecoderBlock) -> GdnPlan | None:
     first = norms[0]
     hk, hv, dk, dv = attn.num_k_heads, attn.num_v_heads, attn.k_dim, attn.v_dim
     params = attn.step_params
-    if mlp.gelu or any(p is None for p in products) or any(
-            n.weight.dtype != torch.bfloat16 or n.eps != first.eps or n.offset != first.offset
-            or n.upcast != first.upcast for n in norms) \
+    if mlp.gelu or any(p is None for p in products) or not _alike(norms) \
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in params) \
             or dk % 16 or dv % 16 or dv > 256 or dk > 512 or hv % hk \
             or not 2 <= attn.kernel <= 8:  # (else its Python forward runs torch's forms)
