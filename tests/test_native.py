@@ -417,7 +417,8 @@ def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
     """gdn.c over a window of 3 positions for 2 rows of a 3-slot ring (one about to wrap):
     the convolution, norms and gates as model/deltanet.py computes them, and the conv state
     after each position in its ring entry, bit for bit (the window's own inputs). Kernels
-    of 2-5 taps move bf16 states by permutes, 6 and fp32 element by element."""
+    of 2-5 taps move bf16 states by permutes, 6 and fp32 element by element. A slot past the
+    ring's, or an entry past the ring: an error, nothing written."""
     import torch.nn.functional as F
 
     from engine.model.deltanet import _prepare, causal_conv
@@ -456,6 +457,15 @@ def test_the_gated_deltanet_inputs_and_conv_states_are_the_layers_torch_path(
     for s in range(seqlen):
         written[slots, (index[slots] + 1 + s) % ring] = True
     assert torch.equal(conv[~written], before[~written])  # nothing else touched
+    after = conv.clone()
+    bad_index = index.clone()
+    bad_index[2] = ring  # an entry past the ring
+    for bad_slots, entries in ((torch.tensor([3, 0]), index), (torch.tensor([-1, 0]), index),
+                               (slots, bad_index)):
+        with pytest.raises(IndexError, match="outside the state cache"):
+            native.gdn_prepare(proj, (hk, hv, dk, dv, kernel), conv, entries, bad_slots,
+                               weight.t().contiguous(), a_log, dt_bias)
+    assert torch.equal(conv, after)  # nothing written
 
 
 @needs_vnni

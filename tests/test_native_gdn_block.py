@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine import Engine, GenParams, native
-from engine.cache.kv import CacheBatch
-from engine.cache.state import StateCache
+from engine.cache.kv import CacheBatch, KVCache
+from engine.cache.state import StateCache, commit
 from engine.model import block as block_py
-from engine.native import layer
+from engine.native import layer, trunk
 from training.synthetic import write_checkpoint
 
 pytestmark = pytest.mark.skipif(native.status() != "vnni",
@@ -85,6 +85,98 @@ def test_a_gated_deltanet_block_in_one_call_gives_the_python_forwards_bits(
                                                                           cache.state)
 
 
+def _same_caches(a: list[KVCache | StateCache], b: list[KVCache | StateCache]) -> None:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, StateCache) and isinstance(y, StateCache):
+            _same_cache(x, y)
+        else:
+            assert isinstance(x, KVCache) and isinstance(y, KVCache)
+            assert torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_hybrid_trunk_in_one_call_gives_its_blocks_bits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str) -> None:
+    """Qwen3.5's trunk, Gated DeltaNet and full-attention blocks, in one call (trunk.py
+    `run_blocks`, layer.c `trunk_forward`): the output and every cache (keys and values;
+    conv and delta-rule states, what a window keeps, the deferred writes) of its blocks one
+    call at a time, for a step, a verify window of four, the commit deferring what it keeps
+    and the next step taking it, then two slots of three positions and of one. A position
+    past the KV caches: nothing run, nothing written, the deferred writes still there for the
+    blocks one at a time (which say what is wrong)."""
+    write_checkpoint(tmp_path, "tiny-qwen3.5", seed=4)
+    engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
+                         quant=quant)
+    model = engine.model
+    assert model.trunk_runner is trunk.run_blocks
+    engine.generate(engine.tokenizer.encode("def f(x):\n    return x"),
+                    GenParams(6, speculative=False, stop_loops=False))  # states not zero
+    layers = model.model.layers
+    assert any(b.linear for b in layers) and not all(b.linear for b in layers)
+    calls = []
+    c_trunk = trunk._trunk
+
+    def counted(*args: object) -> int:
+        calls.append(args[1])
+        return c_trunk(*args)
+
+    monkeypatch.setattr(trunk, "_trunk", counted)
+    ours, theirs = copy.deepcopy(engine.caches.trunk), copy.deepcopy(engine.caches.trunk)
+    length = next(c for c in ours if isinstance(c, KVCache)).k.shape[2]
+    gen = torch.Generator().manual_seed(2)
+    hidden = model.cfg.hidden_size
+    # (slots, each slot's first position, rows a slot, the position each keeps: a commit)
+    for slots, starts, seqlen, kept in [([0], [20], 1, None), ([0], [21], 4, [1]),
+                                        ([0], [23], 1, None), ([0, 1], [24, 5], 3, [2, 0]),
+                                        ([0, 1], [27, 6], 1, None)]:
+        index = torch.tensor(slots)
+        pos = torch.tensor(starts)[:, None] + torch.arange(seqlen)
+        batch = CacheBatch(index, pos, length, (slots[0], slots[-1] + 1), per_position=True)
+        x = (torch.randn(len(slots), seqlen, hidden, generator=gen) * 2).bfloat16()
+        rope = engine.caches.rope(pos)
+        with torch.inference_mode():
+            got = trunk.run_blocks(layers, x, rope, batch, ours)
+            want = x
+            for block, cache in zip(layers, theirs, strict=True):
+                run = layer.run_linear_block if block.linear else layer.run_block
+                want = run(block, want, rope, batch, cache)
+        assert got is not None and torch.equal(got, want), (slots, seqlen)
+        _same_caches(ours, theirs)
+        if kept is not None:  # the commit: each layer's kept position's state deferred
+            for caches in (ours, theirs):
+                states = [c for c in caches if isinstance(c, StateCache)]
+                for c in states:
+                    assert c.unsettled is not None
+                    c.defer(c.unsettled.kept(index, torch.tensor(kept)))
+                commit(states[0].index, states[0].ring, index, torch.tensor(kept))
+                assert states[0].offsets is not None
+                states[0].offsets.forget()
+            _same_caches(ours, theirs)
+            assert all(c.pending for c in ours if isinstance(c, StateCache))
+    assert calls == [len(layers)] * 5
+    # the last window's deferred writes, then a step at a position past the KV caches
+    index = torch.tensor([0])
+    for caches in (ours, theirs):
+        with torch.inference_mode():
+            trunk.run_blocks(layers, torch.randn(1, 4, hidden).bfloat16(),
+                             engine.caches.rope(torch.arange(30, 34)[None]),
+                             CacheBatch(index, torch.arange(30, 34)[None], length, (0, 1),
+                                        per_position=True), caches)
+        for c in caches:
+            if isinstance(c, StateCache):
+                assert c.unsettled is not None
+                c.defer(c.unsettled.kept(index, torch.tensor([2])))
+    before = copy.deepcopy(ours)
+    pos = torch.tensor([[length]])
+    with torch.inference_mode():
+        assert trunk.run_blocks(layers, torch.randn(1, 1, hidden).bfloat16(),
+                                engine.caches.rope(torch.tensor([[0]])),
+                                CacheBatch(index, pos, length, (0, 1), per_position=True),
+                                ours) is None
+    _same_caches(ours, before)
+    assert all(c.pending for c in ours if isinstance(c, StateCache))
+
+
 def test_generation_through_it_is_the_python_forwards_and_speculation_stays_lossless(
         tmp_path: Path) -> None:
     write_checkpoint(tmp_path, "tiny-qwen3.5", seed=6, train_steps=40)
@@ -92,18 +184,20 @@ def test_generation_through_it_is_the_python_forwards_and_speculation_stays_loss
                          quant="int4")
     model = engine.model
     prompt = engine.tokenizer.encode("def add(a, b):\n    return")
+    assert model.trunk_runner is trunk.run_blocks
     outs = {}
-    for runner in (layer.run_linear_block, block_py.run_block):
-        model.linear_runner = runner
+    for runner, whole in ((layer.run_linear_block, trunk.run_blocks),
+                          (layer.run_linear_block, None), (block_py.run_block, None)):
+        model.linear_runner, model.trunk_runner = runner, whole
         for spec in (False, True):
             out = engine.generate(prompt, GenParams(24, speculative=spec, stop_loops=False))
-            outs[runner.__module__, spec] = out.tokens
+            outs[runner.__module__, whole is None, spec] = out.tokens
     assert len(set(map(tuple, outs.values()))) == 1, outs
 
 
 def test_blocks_and_calls_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
     """Unquantized products, full-attention blocks, a prefill (not position by position), no
-    cache: the Python forward, the same bits."""
+    cache: the Python forward, the same bits; slots past the cache's: its error."""
     write_checkpoint(tmp_path, "tiny-qwen3.5", seed=2)
     plain = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=2, slots=1,
                         quant="none")
@@ -126,3 +220,9 @@ def test_blocks_and_calls_it_does_not_take_run_the_python_forward(tmp_path: Path
                                       theirs if batch else None)
         assert torch.equal(got, want)
         _same_cache(ours, theirs)
+    step, past = torch.tensor([[5]]), cache.conv.shape[0]  # a slot past the cache's
+    for bad in (CacheBatch(torch.tensor([past]), step, 64, (past, past + 1), per_position=True),
+                CacheBatch(torch.tensor([past + 2]), step, 64, per_position=True)):
+        with torch.inference_mode(), pytest.raises((IndexError, RuntimeError)):
+            layer.run_linear_block(block, x[:, :1], quant.caches.rope(step), bad,
+                                   copy.deepcopy(cache))

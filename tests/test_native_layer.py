@@ -129,10 +129,11 @@ def test_blocks_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
 def test_a_trunk_in_one_call_gives_its_blocks_bits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str, quant: str) -> None:
-    """Every block of the trunk in one call (`run_blocks`, layer.c `layers_forward`): the
+    """Every block of the trunk in one call (`run_blocks`, layer.c `trunk_forward`): the
     output and every cache of its blocks one call at a time, for a prefill, a step, a
-    verify's four rows and two slots; a hybrid trunk (Gated DeltaNet blocks) it leaves to
-    them."""
+    verify's four rows and two slots; a prefill through a hybrid trunk (Gated DeltaNet
+    blocks, which run those position by position only) it leaves to them
+    (tests/test_native_gdn_block.py: the hybrid trunk's steps and windows)."""
     write_checkpoint(tmp_path, preset, seed=3)
     engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
                          quant=quant)
@@ -140,13 +141,13 @@ def test_a_trunk_in_one_call_gives_its_blocks_bits(
     assert model.trunk_runner is trunk.run_blocks
     layers, caches = model.model.layers, engine.caches.trunk
     calls = []
-    c_layers = trunk._layers
+    c_trunk = trunk._trunk
 
     def counted(*args: object) -> int:
         calls.append(args[1])
-        return c_layers(*args)
+        return c_trunk(*args)
 
-    monkeypatch.setattr(trunk, "_layers", counted)
+    monkeypatch.setattr(trunk, "_trunk", counted)
     gen = torch.Generator().manual_seed(1)
     hidden = model.cfg.hidden_size
     for slots, starts, seqlen in [([0], [0], 20), ([0], [20], 1), ([0], [21], 4),

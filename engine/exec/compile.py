@@ -72,7 +72,7 @@ def step_fns(model: Transformer, compiled: bool, static: bool) -> StepFns:
     model's fixed-shape step, or a compiled eager-shaped one); the model's block runners are
     `run_block` again when `compiled` is False (on a CPU where our kernels run, layer.py's,
     which runs each full-attention and Gated DeltaNet block our kernels take in one call,
-    and a trunk of full-attention blocks in one, and mtp.py's, each greedy draft and the
+    and trunk.py's, a trunk of them in one, and mtp.py's, each greedy draft and the
     drafts a module chains on itself; `AHEAD_BLOCKS=0` keeps the Python forward, to
     compare)."""
     model.block_runner = model.linear_runner = run_block

@@ -89,7 +89,7 @@ class Kernels:
         self._settle.argtypes = [ptr] * 7 + [i64] * 5 + [ctypes.c_int]
         gdn = lib.gdn_prepare
         gdn.restype = ctypes.c_int
-        gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64] + [ptr] * 10 + [ctypes.c_int] * 2
+        gdn.argtypes = [ptr] + [i64] * 10 + [ptr, i64, i64] + [ptr] * 10 + [ctypes.c_int] * 2
         self._gdn = gdn
         norm = lib.gdn_gated_norm
         norm.restype = ctypes.c_int
@@ -168,12 +168,17 @@ class Kernels:
         v = proj.new_empty(bsz, hv, seqlen, dv, dtype=torch.float32)
         decay, beta = (proj.new_empty(bsz, hv, seqlen, dtype=torch.float32) for _ in range(2))
         slots = slots.to(torch.int64).contiguous()
-        if self._gdn(proj.data_ptr(), width, c + hv * dv, c + hv * dv + hv, bsz, seqlen, hk,
-                     hv, dk, dv, kernel, conv.data_ptr(), conv.shape[1], slots.data_ptr(),
-                     index.data_ptr(), weight.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(),
-                     q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(),
-                     beta.data_ptr(), int(proj.dtype == torch.bfloat16),
-                     torch.get_num_threads()) != 0:
+        done = self._gdn(proj.data_ptr(), width, c + hv * dv, c + hv * dv + hv, bsz, seqlen, hk,
+                         hv, dk, dv, kernel, conv.data_ptr(), conv.shape[1], conv.shape[0],
+                         slots.data_ptr(), index.data_ptr(), weight.data_ptr(),
+                         a_log.data_ptr(), dt_bias.data_ptr(), q.data_ptr(), k.data_ptr(),
+                         v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
+                         int(proj.dtype == torch.bfloat16), torch.get_num_threads())
+        if done == -2:
+            raise IndexError(f"Gated DeltaNet inputs: a slot or its state outside the state "
+                             f"cache: slots {slots.tolist()}, of {conv.shape[0]}; ring "
+                             f"{conv.shape[1]}")
+        if done != 0:
             raise ValueError(f"Gated DeltaNet inputs: shapes the kernel does not take {shape}")
         return q, k, v, decay, beta
 

@@ -151,11 +151,13 @@ static inline __attribute__((always_inline)) void conv_block(
    s goes to entry (index + 1 + s) mod R. w: the convolution's weights by tap [Kc, C];
    a_log and dt_bias [Hv]; all fp32. Out (fp32): q, k [B, Hv, S, Dk], v [B, Hv, S, Dv],
    decay a_t and beta b_t [B, Hv, S]. bf16 != 0: x and conv are bf16, and the
-   convolution's output is rounded to bf16 as the model's dtype would. Returns 0, or -1
-   when the shapes are not ones this kernel takes or memory could not be had. */
+   convolution's output is rounded to bf16 as the model's dtype would. Returns 0; -1 when the
+   shapes are not ones this kernel takes or memory could not be had; -2, nothing written,
+   where a slot is outside the ring's `num_slots` or its entry outside the ring. */
 int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, int64_t B,
                 int64_t S, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t Kc,
-                void *conv, int64_t R, const int64_t *slots, const int64_t *index,
+                void *conv, int64_t R, int64_t num_slots, const int64_t *slots,
+                const int64_t *index,
                 const float *w, const float *a_log, const float *dt_bias,
                 float *q, float *k, float *v, float *decay, float *beta, int bf16,
                 int threads) {
@@ -163,6 +165,10 @@ int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, i
     if (Dk % 16 || Dv % 16 || Hv % Hk || Dk > 512 || Kc < 2 || Kc > 8 || S > 64
             || S + 1 > R)
         return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (slots[b] < 0 || slots[b] >= num_slots || index[slots[b]] < 0
+            || index[slots[b]] >= R)
+            return -2;
     float *mixed = malloc(sizeof(float) * (size_t)(B * S * C));  /* conv outputs [B, S, C] */
     int64_t *after = malloc(sizeof(int64_t) * (size_t)(B * (S + 1)));
     if (!mixed || !after) {

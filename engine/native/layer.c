@@ -43,8 +43,8 @@ int kv_write(const void *k, const void *v, int64_t B, int64_t H, int64_t S, int6
 
 int gdn_prepare(const void *x, int64_t x_stride, int64_t b_off, int64_t a_off, int64_t B,
                 int64_t S, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv, int64_t Kc,
-                void *conv, int64_t R, const int64_t *slots, const int64_t *index,
-                const float *w, const float *a_log, const float *dt_bias,
+                void *conv, int64_t R, int64_t num_slots, const int64_t *slots,
+                const int64_t *index, const float *w, const float *a_log, const float *dt_bias,
                 float *q, float *k, float *v, float *decay, float *beta, int bf16,
                 int threads);
 int delta_rule(const float *q, const float *k, const float *v, const float *a,
@@ -183,10 +183,13 @@ done:
    S positions. k [B, Hv, S, k_dim] and decay [B, Hv, S] are the caller's (fp32): what a
    window keeps for the commit's write. The same kernels with the same arguments in the same
    order as that Python path: its bits. Returns 0; -1 where scratch memory could not be had;
-   -3 where the plan's shapes do not fit together (nothing written); -4 where gdn.c or
-   deltanet.c did not take the call (layer.py checks what they take first). */
+   -2 where a row's slot is outside the ring's num_slots or its committed entry outside the
+   ring, and -3 where the plan's shapes do not fit together (nothing written to the cache
+   either way); -4 where gdn.c or deltanet.c did not take the call (layer.py checks what
+   they take first). */
 int gdn_block_forward(const GdnPlan *p, const uint16_t *x, int64_t B, int64_t S, void *conv,
-                      int64_t ring, const int64_t *slots, const int64_t *index, float *states,
+                      int64_t ring, int64_t num_slots, const int64_t *slots,
+                      const int64_t *index, float *states,
                       const int64_t *src, const int64_t *dst, float *k, float *decay, float *d,
                       const int64_t *base, const float *pk, const float *pd, const float *pa,
                       const int64_t *pn, int64_t P, int threads, uint16_t *out) {
@@ -213,10 +216,12 @@ int gdn_block_forward(const GdnPlan *p, const uint16_t *x, int64_t B, int64_t S,
 
     rms_norm(x, H, NULL, 0, NULL, M, H, p->input_norm, p->offset, p->eps, (int)p->upcast, xn);
     if (product(&p->in, H, xn, proj, M, threads) != 0) goto done;
-    if (gdn_prepare(proj, W, c + hv * dv, c + hv * dv + hv, B, S, hk, hv, dk, dv, p->kernel,
-                    conv, ring, slots, index, p->conv_weight, p->a_log, p->dt_bias, q, k, v,
-                    decay, beta, 1, threads) != 0) {
-        rc = -4;
+    const int prepared = gdn_prepare(proj, W, c + hv * dv, c + hv * dv + hv, B, S, hk, hv,
+                                     dk, dv, p->kernel, conv, ring, num_slots, slots, index,
+                                     p->conv_weight, p->a_log, p->dt_bias, q, k, v, decay,
+                                     beta, 1, threads);
+    if (prepared != 0) {
+        rc = prepared == -2 ? -2 : -4;
         goto done;
     }
     const int got = delta_rule(q, k, v, decay, beta, states, src, dst, B, hv, S, dk, dv, o,
@@ -239,31 +244,54 @@ done:
     return rc;
 }
 
-/* Blocks 0 .. n - 1 of a trunk, each `layer_forward` on the one before's output, in one call
-   (layer.py `run_blocks`): plans[i] with its caches ck[i], cv[i]; the rows, rope rows, slots
-   and positions the same for every block (a step's). x is the first block's input, out the
-   last's output. Returns 0, or the first failing block's code (`layer_forward`'s), the blocks
-   before it run. */
-int layers_forward(const Plan *const *plans, int64_t n, const uint16_t *x, int64_t B,
-                   int64_t S, const uint16_t *cos, const uint16_t *sin, int64_t rot,
-                   const int64_t *slots, const int64_t *pos, int64_t first_slot,
-                   int64_t kv_len, uint16_t *const *ck, uint16_t *const *cv,
-                   int64_t num_slots, int64_t length, int threads, uint16_t *out) {
+/* Blocks 0 .. n - 1 of a trunk, each on the one before's output, in one call (trunk.py
+   `run_blocks`): layers[i].plan's full-attention block (`layer_forward`, with its KV cache
+   ck, cv) or layers[i].gdn's Gated DeltaNet block (`gdn_block_forward`, with its state cache
+   and what run_linear_block gives that call). The rows, rope rows, slots and positions are
+   the same for every block (a step's); the full-attention blocks' caches share num_slots and
+   length. x is the first block's input, out the last's output. Returns 0; -2 where a slot or
+   position is outside the KV caches or a slot or its entry outside a state cache's ring,
+   checked before any block runs (nothing written); else the first failing block's code
+   (`layer_forward`'s or `gdn_block_forward`'s), the blocks before it run. */
+int trunk_forward(const TrunkLayer *layers, int64_t n, const uint16_t *x, int64_t B,
+                  int64_t S, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+                  const int64_t *slots, const int64_t *pos, int64_t first_slot,
+                  int64_t kv_len, int64_t num_slots, int64_t length, int threads,
+                  uint16_t *out) {
     const int64_t M = B * S;
-    int64_t H = 0;
+    int64_t H = 0, full = 0;
     for (int64_t i = 0; i < n; i++) {
-        if (i && plans[i]->hidden != H) return -3;
-        H = plans[i]->hidden;
+        const TrunkLayer *l = &layers[i];
+        if ((l->plan == NULL) == (l->gdn == NULL)) return -3;
+        const int64_t h = l->plan ? l->plan->hidden : l->gdn->hidden;
+        if (i && h != H) return -3;
+        H = h;
+        full |= l->plan != NULL;
     }
+    for (int64_t b = 0; full && b < B; b++) {  /* what kv_write checks, before any block */
+        if (slots[b] < 0 || slots[b] >= num_slots) return -2;
+        for (int64_t s = 0; s < S; s++)
+            if (pos[b * S + s] < 0 || pos[b * S + s] >= length) return -2;
+    }
+    for (int64_t i = 0; i < n; i++)  /* and what gdn_prepare checks */
+        for (int64_t b = 0; layers[i].gdn && b < B; b++)
+            if (slots[b] < 0 || slots[b] >= layers[i].conv_slots
+                || layers[i].index[slots[b]] < 0 || layers[i].index[slots[b]] >= layers[i].ring)
+                return -2;
     uint16_t *tmp = n > 1 ? malloc(sizeof(uint16_t) * (size_t)(2 * M * H + 64)) : NULL;
     if (n > 1 && !tmp) return -1;
     uint16_t *bufs[2] = {tmp, tmp ? tmp + M * H + 32 : NULL};
     const uint16_t *in = x;
     int rc = 0;
     for (int64_t i = 0; i < n && rc == 0; i++) {
+        const TrunkLayer *l = &layers[i];
         uint16_t *dst = i == n - 1 ? out : bufs[i & 1];
-        rc = layer_forward(plans[i], in, B, S, cos, sin, rot, slots, pos, first_slot, kv_len,
-                           ck[i], cv[i], num_slots, length, threads, dst);
+        rc = l->plan ? layer_forward(l->plan, in, B, S, cos, sin, rot, slots, pos, first_slot,
+                                     kv_len, l->ck, l->cv, num_slots, length, threads, dst)
+                     : gdn_block_forward(l->gdn, in, B, S, l->conv, l->ring, l->conv_slots,
+                                         slots, l->index, l->states, l->src, l->dst, l->k,
+                                         l->decay, l->d, l->base, l->pk, l->pd, l->pa, l->pn,
+                                         l->P, threads, dst);
         in = dst;
     }
     free(tmp);

@@ -38,15 +38,36 @@ int layer_forward(const Plan *p, const uint16_t *x, int64_t B, int64_t S, const 
                   const uint16_t *sin, int64_t rot, const int64_t *slots, const int64_t *pos,
                   int64_t first_slot, int64_t kv_len, uint16_t *ck, uint16_t *cv,
                   int64_t num_slots, int64_t length, int threads, uint16_t *out);
-int layers_forward(const Plan *const *plans, int64_t n, const uint16_t *x, int64_t B,
-                   int64_t S, const uint16_t *cos, const uint16_t *sin, int64_t rot,
-                   const int64_t *slots, const int64_t *pos, int64_t first_slot,
-                   int64_t kv_len, uint16_t *const *ck, uint16_t *const *cv,
-                   int64_t num_slots, int64_t length, int threads, uint16_t *out);
 int gdn_block_forward(const GdnPlan *p, const uint16_t *x, int64_t B, int64_t S, void *conv,
-                      int64_t ring, const int64_t *slots, const int64_t *index, float *states,
+                      int64_t ring, int64_t num_slots, const int64_t *slots,
+                      const int64_t *index, float *states,
                       const int64_t *src, const int64_t *dst, float *k, float *decay, float *d,
                       const int64_t *base, const float *pk, const float *pd, const float *pa,
                       const int64_t *pn, int64_t P, int threads, uint16_t *out);
+
+/* A trunk's block (layer.c `trunk_forward`; trunk.py `_TrunkLayer`): a full-attention one
+   (plan, its KV cache ck and cv) or a Gated DeltaNet one (gdn, its state cache and the rest
+   of `gdn_block_forward`'s arguments for the call), the other's fields unused. */
+typedef struct {
+    const Plan *plan;
+    const GdnPlan *gdn;
+    uint16_t *ck, *cv;
+    void *conv;
+    int64_t ring, conv_slots;
+    const int64_t *index;
+    float *states;
+    const int64_t *src, *dst;
+    float *k, *decay, *d;
+    const int64_t *base;
+    const float *pk, *pd, *pa;
+    const int64_t *pn;
+    int64_t P;
+} TrunkLayer;
+
+int trunk_forward(const TrunkLayer *layers, int64_t n, const uint16_t *x, int64_t B,
+                  int64_t S, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+                  const int64_t *slots, const int64_t *pos, int64_t first_slot,
+                  int64_t kv_len, int64_t num_slots, int64_t length, int threads,
+                  uint16_t *out);
 
 #endif

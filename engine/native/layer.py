@@ -96,8 +96,8 @@ def _forward(*args: Any) -> int:
 def _gdn_fn() -> Any:  # the ctypes function
     fn = native.kernels().lib.gdn_block_forward
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(_GdnPlan), ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
+    fn.argtypes = [ctypes.POINTER(_GdnPlan), ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr,
+                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
     return fn
 
 
@@ -317,10 +317,9 @@ def run_linear_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     eager. The state cache's bookkeeping stays here, in deltanet.py `_step_native`'s order:
     the deferred write a commit left (`take`), where each row's state is and where a step's
     go (`kernel_offsets`), and what a window keeps for the commit (`Unsettled`)."""
-    if batch is None or not isinstance(cache, StateCache) or not batch.per_position \
-            or (got := gdn_plan(block)) is None or not rows.usable(x) or x.dim() != 3 \
-            or not x.is_contiguous() or x.shape[-1] != got.c.hidden or x.shape[1] > 64 \
-            or torch.compiler.is_compiling() or not _takes_state(cache, x.shape[1]):
+    if batch is None or not isinstance(cache, StateCache) or (got := gdn_plan(block)) is None \
+            or not rows.usable(x) or x.dim() != 3 or not x.is_contiguous() \
+            or x.shape[-1] != got.c.hidden or not takes_state_call(cache, batch, x.shape[1]):
         return block_py.run_block(block, x, rope, batch, cache)
     bsz, seqlen, _ = x.shape
     c = got.c
@@ -337,13 +336,18 @@ def run_linear_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
         (*(t.data_ptr() for t in pending), pending[1].shape[2])
     out = torch.empty_like(x)
     done = _gdn_forward(ctypes.byref(c), x.data_ptr(), bsz, seqlen, cache.conv.data_ptr(),
-                        cache.conv.shape[1], slots.data_ptr(), cache.index.data_ptr(),
+                        cache.conv.shape[1], cache.conv.shape[0], slots.data_ptr(),
+                        cache.index.data_ptr(),
                         cache.state.data_ptr(), src.data_ptr(), dst.data_ptr(), k.data_ptr(),
                         decay.data_ptr(), None if factors is None else factors.data_ptr(), *p,
                         torch.get_num_threads(), out.data_ptr())
     if done == -1:
         raise MemoryError("the Gated DeltaNet block's kernel could not allocate its scratch "
                           "memory")
+    if done == -2:  # (takes_state_call checked the slots: their entries in the ring, not)
+        raise IndexError(f"a slot or its state outside the state cache: slots "
+                         f"{batch.slots.tolist()}, entries {cache.index.tolist()}, ring "
+                         f"{cache.conv.shape[1]}")
     if done != 0:
         raise ValueError(f"the Gated DeltaNet block's kernel does not take its plan or call "
                          f"({done}): {c.hidden=}, {c.k_heads=}, {c.v_heads=}, {c.k_dim=}, "
@@ -351,6 +355,21 @@ def run_linear_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     if factors is not None:
         cache.unsettled = Unsettled(batch.slots, src, dst, k, factors, decay)
     return out
+
+
+def takes_state_call(cache: StateCache, batch: CacheBatch, seqlen: int) -> bool:
+    """Whether `run_linear_block`'s call takes a pass of `seqlen` positions of `batch`'s rows
+    through the layer's state cache: a decode step's or a verify window's (per position, up
+    to 64), eager, the cache as gdn.c and deltanet.c take it (`_takes_state`), the rows' slots
+    within it (those kernels index the cache by them unchecked)."""
+    if not batch.per_position or seqlen > 64 or torch.compiler.is_compiling() \
+            or not _takes_state(cache, seqlen):
+        return False
+    count = min(cache.conv.shape[0], cache.state.shape[0], cache.index.shape[0])
+    if batch.span is not None:
+        return batch.span[0] >= 0 and batch.span[1] <= count
+    return batch.slots.numel() > 0 and int(batch.slots.min()) >= 0 \
+        and int(batch.slots.max()) < count
 
 
 def _takes_state(cache: StateCache, seqlen: int) -> bool:

@@ -22,7 +22,7 @@ PICK_PARTS = {"draft_pick": "greedy drafts' coarse pass and candidates"}
 # and the rest inside it).
 LAYER_PARTS = {"_forward": "decoder blocks in one call (layer.c)",
                "_gdn_forward": "decoder blocks in one call (layer.c)"}
-TRUNK_PARTS = {"_layers": "decoder blocks in one call (layer.c)"}  # a trunk's, in one
+TRUNK_PARTS = {"_trunk": "decoder blocks in one call (layer.c)"}  # a trunk's, in one
 # A greedy MTP draft in one call (its module's block, projection, norms and pick inside it),
 # and a chain of them.
 MTP_PARTS = {"_draft": "MTP drafts in one call (mtp.c)",
