@@ -37,10 +37,9 @@ class _TrunkLayer(ctypes.Structure):
 
     _fields_ = [("plan", ctypes.POINTER(layer._Plan)), ("gdn", ctypes.POINTER(layer._GdnPlan)),
                 ("ck", ptr), ("cv", ptr), ("conv", ptr), ("ring", i64), ("conv_slots", i64),
-                ("index", ptr),
-                ("states", ptr), ("src", ptr), ("dst", ptr), ("k", ptr), ("decay", ptr),
-                ("d", ptr), ("base", ptr), ("pk", ptr), ("pd", ptr), ("pa", ptr), ("pn", ptr),
-                ("P", i64)]
+                ("index", ptr), ("states", ptr), ("src", ptr), ("dst", ptr), ("k", ptr),
+                ("decay", ptr), ("d", ptr), ("base", ptr), ("pk", ptr), ("pd", ptr),
+                ("pa", ptr), ("pn", ptr), ("P", i64)]
 
 
 @functools.cache
@@ -157,7 +156,7 @@ def _array(first: nn.Module, plans: list[layer.Plan | layer.GdnPlan],
             entry.ck, entry.cv = c.k.data_ptr(), c.v.data_ptr()
         elif isinstance(p, layer.GdnPlan) and isinstance(c, StateCache):
             entry.gdn = ctypes.pointer(p.c)
-            entry.conv, entry.ring, entry.conv_slots = c.conv.data_ptr(), *c.conv.shape[1::-1]
+            entry.conv, entry.conv_slots, entry.ring = c.conv.data_ptr(), *c.conv.shape[:2]
             entry.index, entry.states = c.index.data_ptr(), c.state.data_ptr()
     _TRUNKS[first] = key, array
     return array
