@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +94,23 @@ def model_dir() -> Path:
     path = bundled_model_dir()
     assert path is not None, "the bundled model (engine/model_data) is missing"
     return path
+
+
+@pytest.fixture
+def count_trunk(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[int]]:
+    """Call it to count, from then on while the test runs, the blocks each call of layer.c's
+    `trunk_forward` runs (engine/native/trunk.py): the list it returns fills in order."""
+    from engine.native import trunk
+
+    def start() -> list[int]:
+        calls: list[int] = []
+        c_trunk = trunk._trunk
+
+        def counted(*args: Any) -> int:
+            calls.append(args[1])
+            return c_trunk(*args)
+
+        monkeypatch.setattr(trunk, "_trunk", counted)
+        return calls
+
+    return start

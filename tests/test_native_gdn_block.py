@@ -7,6 +7,7 @@ steps, verify windows and two slots; generation through it; and what it does not
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,25 @@ def _same_cache(a: StateCache, b: StateCache) -> None:
     assert list(a.pending) == list(b.pending)
 
 
+def _warm_toy(path: Path, quant: str) -> Engine:
+    """A Qwen3.5 toy's engine of two slots whose recurrent states are no longer zero."""
+    write_checkpoint(path, "tiny-qwen3.5", seed=4)
+    engine = Engine.load(path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
+                         quant=quant)
+    engine.generate(engine.tokenizer.encode("def f(x):\n    return x"),
+                    GenParams(6, speculative=False, stop_loops=False))
+    return engine
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_a_gated_deltanet_block_in_one_call_gives_the_python_forwards_bits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str) -> None:
     """Every Gated DeltaNet layer of a Qwen3.5 toy: a step of one slot, a verify window of
     four, the commit deferring the state it keeps and the next step taking it, then two slots
     of three positions and of one; each against the Python forward from the same cache."""
-    write_checkpoint(tmp_path, "tiny-qwen3.5", seed=4)
-    engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
-                         quant=quant)
+    engine = _warm_toy(tmp_path, quant)
     model = engine.model
     assert model.linear_runner is layer.run_linear_block
-    engine.generate(engine.tokenizer.encode("def f(x):\n    return x"),
-                    GenParams(6, speculative=False, stop_loops=False))  # states not zero
     linear = [(b, c) for b, c in zip(model.model.layers, engine.caches.trunk, strict=True)
               if b.linear]
     assert linear and all(layer.gdn_plan(b) is not None for b, _ in linear)
@@ -96,7 +103,7 @@ def _same_caches(a: list[KVCache | StateCache], b: list[KVCache | StateCache]) -
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_a_hybrid_trunk_in_one_call_gives_its_blocks_bits(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quant: str) -> None:
+        tmp_path: Path, count_trunk: Callable[[], list[int]], quant: str) -> None:
     """Qwen3.5's trunk, Gated DeltaNet and full-attention blocks, in one call (trunk.py
     `run_blocks`, layer.c `trunk_forward`): the output and every cache (keys and values;
     conv and delta-rule states, what a window keeps, the deferred writes) of its blocks one
@@ -104,23 +111,12 @@ def test_a_hybrid_trunk_in_one_call_gives_its_blocks_bits(
     and the next step taking it, then two slots of three positions and of one. A position
     past the KV caches: nothing run, nothing written, the deferred writes still there for the
     blocks one at a time (which say what is wrong)."""
-    write_checkpoint(tmp_path, "tiny-qwen3.5", seed=4)
-    engine = Engine.load(tmp_path, dtype=torch.bfloat16, max_seq_len=64, k_max=3, slots=2,
-                         quant=quant)
+    engine = _warm_toy(tmp_path, quant)
     model = engine.model
     assert model.trunk_runner is trunk.run_blocks
-    engine.generate(engine.tokenizer.encode("def f(x):\n    return x"),
-                    GenParams(6, speculative=False, stop_loops=False))  # states not zero
     layers = model.model.layers
     assert any(b.linear for b in layers) and not all(b.linear for b in layers)
-    calls = []
-    c_trunk = trunk._trunk
-
-    def counted(*args: object) -> int:
-        calls.append(args[1])
-        return c_trunk(*args)
-
-    monkeypatch.setattr(trunk, "_trunk", counted)
+    calls = count_trunk()
     ours, theirs = copy.deepcopy(engine.caches.trunk), copy.deepcopy(engine.caches.trunk)
     length = next(c for c in ours if isinstance(c, KVCache)).k.shape[2]
     gen = torch.Generator().manual_seed(2)

@@ -4,6 +4,7 @@ prefills and batches of slots; and the blocks it does not take run that forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,7 @@ def test_blocks_it_does_not_take_run_the_python_forward(tmp_path: Path) -> None:
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-llama"])
 def test_a_trunk_in_one_call_gives_its_blocks_bits(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preset: str, quant: str) -> None:
+        tmp_path: Path, count_trunk: Callable[[], list[int]], preset: str, quant: str) -> None:
     """Every block of the trunk in one call (`run_blocks`, layer.c `trunk_forward`): the
     output and every cache of its blocks one call at a time, for a prefill, a step, a
     verify's four rows and two slots; a prefill through a hybrid trunk (Gated DeltaNet
@@ -140,14 +141,7 @@ def test_a_trunk_in_one_call_gives_its_blocks_bits(
     model = engine.model
     assert model.trunk_runner is trunk.run_blocks
     layers, caches = model.model.layers, engine.caches.trunk
-    calls = []
-    c_trunk = trunk._trunk
-
-    def counted(*args: object) -> int:
-        calls.append(args[1])
-        return c_trunk(*args)
-
-    monkeypatch.setattr(trunk, "_trunk", counted)
+    calls = count_trunk()
     gen = torch.Generator().manual_seed(1)
     hidden = model.cfg.hidden_size
     for slots, starts, seqlen in [([0], [0], 20), ([0], [20], 1), ([0], [21], 4),

@@ -332,8 +332,7 @@ def run_linear_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     # a verify window writes no state: each position's factor, for the commit's write
     factors = x.new_empty(bsz, c.v_heads, seqlen, c.v_dim, dtype=torch.float32) \
         if seqlen > 1 else None
-    p = (None,) * 5 + (0,) if pending is None else \
-        (*(t.data_ptr() for t in pending), pending[1].shape[2])
+    p = pending_args(pending)
     out = torch.empty_like(x)
     done = _gdn_forward(ctypes.byref(c), x.data_ptr(), bsz, seqlen, cache.conv.data_ptr(),
                         cache.conv.shape[1], cache.conv.shape[0], slots.data_ptr(),
@@ -355,6 +354,15 @@ def run_linear_block(block: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor],
     if factors is not None:
         cache.unsettled = Unsettled(batch.slots, src, dst, k, factors, decay)
     return out
+
+
+def pending_args(pending: native.Pending | None) -> tuple[int | None, ...]:
+    """A deferred write (`StateCache.take`'s) as `gdn_block_forward` takes it: its window's
+    offsets, k, factors, decays and kept counts, then that window's positions (none: NULLs
+    and 0)."""
+    if pending is None:
+        return (None,) * 5 + (0,)
+    return (*(t.data_ptr() for t in pending), pending[1].shape[2])
 
 
 def takes_state_call(cache: StateCache, batch: CacheBatch, seqlen: int) -> bool:

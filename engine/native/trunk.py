@@ -202,13 +202,7 @@ def _gdn_calls(array: Any, gdn: list[tuple[int, StateCache]],
             k, decay, d = ks[j], decays[j], factors[j]
             entry.k, entry.decay, entry.d = k.data_ptr(), decay.data_ptr(), d.data_ptr()
             unsettled = Unsettled(batch.slots, src, dst, k, d, decay)
-        if pending is None:
-            entry.base = entry.pk = entry.pd = entry.pa = entry.pn = None
-            entry.P = 0
-        else:
-            entry.base, entry.pk, entry.pd, entry.pa, entry.pn = \
-                (t.data_ptr() for t in pending)
-            entry.P = pending[1].shape[2]
+        entry.base, entry.pk, entry.pd, entry.pa, entry.pn, entry.P = layer.pending_args(pending)
         made.append((cache, None if found is None else (key, found), unsettled,
                      (ks, decays, factors, src, dst, pending)))
     return made
